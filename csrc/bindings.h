@@ -1,0 +1,9 @@
+// Registration hooks: each subsystem's .cpp defines its own bind_* function.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace qspec {
+void bind_mx(pybind11::module_& m);     // mx.cpp
+void bind_gemm(pybind11::module_& m);   // gemm.cpp
+void bind_model(pybind11::module_& m);  // model.cpp
+}  // namespace qspec

@@ -1,0 +1,1 @@
+// avx2 kernels

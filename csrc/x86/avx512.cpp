@@ -1,0 +1,1 @@
+// avx512 kernels
