@@ -1,1 +1,0 @@
-// amx kernels

@@ -1,1 +1,0 @@
-// avx512 kernels
