@@ -1,0 +1,17 @@
+"""Exceptions a user can cause. The CLI prints their message as one line and exits non-zero."""
+
+
+class QspecError(Exception):
+    """Base class of every error qspec raises for bad input (never for its own bugs)."""
+
+
+class ModelLoadError(QspecError):
+    """A model path, file or config that cannot be loaded: missing, corrupt, unsupported."""
+
+
+class DraftFileError(ModelLoadError):
+    """A `qspec quantize` draft file that is corrupt, of another model or of another layout version."""
+
+
+class PromptTooLongError(QspecError, ValueError):
+    """The prompt plus the requested new tokens do not fit in the model's context."""
