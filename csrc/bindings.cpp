@@ -65,5 +65,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_num_threads", [] { return omp_get_max_threads(); });
   bind_mx(m);
   bind_gemm(m);
+  bind_attention(m);
   bind_model(m);
 }

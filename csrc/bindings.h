@@ -5,5 +5,6 @@
 namespace qspec {
 void bind_mx(pybind11::module_& m);     // mx.cpp
 void bind_gemm(pybind11::module_& m);   // gemm.cpp
+void bind_attention(pybind11::module_& m);  // attention.cpp
 void bind_model(pybind11::module_& m);  // model.cpp
 }  // namespace qspec

@@ -1,0 +1,45 @@
+// Causal attention for decode / verify / prefill over the one shared KV cache.
+//
+// Cache layout (DESIGN.md): [layers][2][max_seq][kv_heads][head_dim] BF16 bits (uint16),
+// K at index 0, V at index 1. Query row i sits at position start_pos + i and attends keys
+// 0 .. start_pos + i (causal); the caller has already written K/V for every such position.
+//
+// Batch invariance (DESIGN.md invariant 2): the output of query row i is bit-identical
+// whatever m is, whatever the other rows hold and whatever the thread count.
+#pragma once
+#include <cstdint>
+
+#include "cpu.h"
+
+namespace qspec {
+
+struct KvCacheView {
+  uint16_t* data = nullptr;
+  int64_t layers = 0, max_seq = 0, kv_heads = 0, head_dim = 0;
+
+  int64_t row_elems() const { return kv_heads * head_dim; }  // one position of K or V
+  uint16_t* k(int64_t layer, int64_t pos) const {
+    return data + ((layer * 2 + 0) * max_seq + pos) * row_elems();
+  }
+  uint16_t* v(int64_t layer, int64_t pos) const {
+    return data + ((layer * 2 + 1) * max_seq + pos) * row_elems();
+  }
+};
+
+struct AttnArgs {
+  const float* q = nullptr;  // [m, n_heads, head_dim] fp32, RoPE applied
+  float* out = nullptr;      // [m, n_heads, head_dim] fp32
+  int64_t m = 0, start_pos = 0, n_heads = 0;
+  int64_t layer = 0;
+  float scale = 0.f;  // usually 1/sqrt(head_dim)
+  KvCacheView kv;
+};
+
+enum class AttnPath : int { ref = 0, avx2 = 1, avx512 = 2 };
+const char* attn_path_name(AttnPath p);
+bool attn_supports(AttnPath p, const AttnArgs& a);
+AttnPath attn_choose(const AttnArgs& a);  // by isa_selected(); never changes with m
+void attention(const AttnArgs& a);         // dispatches
+void attention_path(AttnPath p, const AttnArgs& a);
+
+}  // namespace qspec
