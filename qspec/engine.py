@@ -1,0 +1,180 @@
+"""Engine: a loaded model + tokenizer + backend, and the public generate/stream API."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+import torch
+
+from .config import ModelConfig
+from .errors import PromptTooLongError
+from .kv_cache import KVCache
+from .loader import check_model_dir, load_weights
+from .sampling import SamplingParams, sample, warp
+from .tokenizer import StreamDecoder, Tokenizer
+
+
+class Backend(Protocol):
+    """What the decoding loops need from a forward implementation (torch or native)."""
+
+    cfg: ModelConfig
+    kv: KVCache
+
+    def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions start_pos.. (writing their K/V rows); logits [M or 1, V] fp32."""
+        ...
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]                       # new token ids (prompt excluded)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """A loaded model. Create with `qspec.load()`."""
+
+    def __init__(self, model_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer, backend: Backend,
+                 eos_ids: set[int]):
+        self.model_dir = model_dir
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.eos_ids = eos_ids
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 chat: bool | None = None) -> GenerationResult:
+        """Generate a continuation of `prompt` (text, or token ids used as they are).
+
+        Greedy when temperature == 0. `chat=None` applies the chat template when the model
+        has one (text prompts only). Stops at an EOS token or after `max_new_tokens`.
+        """
+        stats: dict[str, float] = {}
+        tokens = list(self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats))
+        text = self.tokenizer.decode(tokens)
+        return GenerationResult(text=text, tokens=tokens, stats=stats)
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
+               stats: dict[str, float] | None = None) -> Iterator[str]:
+        """Like `generate`, yielding text pieces as tokens are produced; fills `stats` at the end."""
+        dec = StreamDecoder(self.tokenizer)
+        st = stats if stats is not None else {}
+        for t in self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st):
+            piece = dec.push(t)
+            if piece:
+                yield piece
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            use_chat = self.tokenizer.chat_template is not None if chat is None else chat
+            if use_chat and self.tokenizer.chat_template is None:
+                raise ValueError("chat=True but this model has no chat template")
+            ids = self.tokenizer.encode_chat(prompt) if use_chat else self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    # ---------------------------------------------------------------- decoding
+    def _tokens(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
+                stats: dict[str, float]) -> Iterator[int]:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
+        ids = self.encode_prompt(prompt, chat)
+        if len(ids) + max_new_tokens > self.cfg.max_seq_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
+                f"context of {self.cfg.max_seq_len} tokens")
+        yield from self._plain(ids, max_new_tokens, params, stats)
+
+    def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> torch.Tensor:
+        kv = self.backend.kv
+        kv.reset()
+        kv.ensure_capacity(capacity)
+        t0 = time.perf_counter()
+        logits = self.backend.forward(ids, 0)
+        kv.length = len(ids)
+        stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0)
+        return logits[-1]
+
+    def _plain(self, ids: list[int], max_new: int, params: SamplingParams,
+               stats: dict[str, float]) -> Iterator[int]:
+        """Plain autoregressive decoding: one target forward per token."""
+        kv = self.backend.kv
+        logits = self._prefill(ids, len(ids) + max_new, stats)
+        gen = None if params.greedy else params.generator()
+        n, decode_s = 0, 0.0
+        while True:
+            tok = int(logits.argmax()) if gen is None else sample(warp(logits, params), gen)
+            n += 1
+            yield tok
+            if tok in self.eos_ids or n == max_new:
+                break
+            t0 = time.perf_counter()
+            logits = self.backend.forward([tok], kv.length)[-1]
+            kv.length += 1
+            decode_s += time.perf_counter() - t0
+        stats.update(new_tokens=n, decode_s=decode_s,
+                     tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0)
+
+
+def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:
+    import json
+
+    ids = set(cfg.eos_token_ids)
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.exists():
+        try:
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            eos = None
+        if eos is not None:
+            ids |= set(eos if isinstance(eos, list) else [eos])
+    if tok.eos_token and tok.token_id(tok.eos_token) is not None:
+        ids.add(tok.token_id(tok.eos_token))
+    return {int(i) for i in ids}
+
+
+def load(model: str | Path | None = None, threads: int | None = None, backend: str = "native") -> Engine:
+    """Load a model directory (None = the default SmolLM2-135M-Instruct) into an Engine.
+
+    Raises `qspec.ModelLoadError` for a missing, corrupt or unsupported model.
+    """
+    from . import _C
+
+    if threads is not None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        _C.set_num_threads(threads)
+        torch.set_num_threads(threads)
+    if backend not in ("native", "torch"):
+        raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
+    if model is None:
+        from .default_model import default_model_dir
+
+        model = default_model_dir()
+    model_dir = check_model_dir(model)
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    tok = Tokenizer(model_dir)
+    weights = load_weights(model_dir, cfg)
+    if backend == "torch":
+        from .model import TorchBackend
+
+        be: Backend = TorchBackend(cfg, weights)
+    else:
+        from .native import NativeBackend
+
+        be = NativeBackend(cfg, weights)
+    return Engine(model_dir, cfg, tok, be, _eos_ids(model_dir, cfg, tok))

@@ -1,0 +1,35 @@
+"""The one KV cache of a model: [layers][2][max_seq][kv_heads][head_dim], position-indexed.
+
+Target and draft share it (DESIGN.md): the committed prefix is always target-written, draft
+steps write provisional rows after it, verify overwrites them; rejection = moving `length` back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype = torch.bfloat16):
+        self.cfg = cfg
+        self.dtype = dtype
+        # torch.empty: pages are touched (and count in RSS) only as positions are written
+        self.data = torch.empty((cfg.n_layers, 2, capacity, cfg.n_kv_heads, cfg.head_dim), dtype=dtype)
+        self.length = 0  # committed positions
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow (keeping the committed rows) so that `needed` positions fit."""
+        if needed <= self.capacity:
+            return
+        new = torch.empty((*self.data.shape[:2], needed, *self.data.shape[3:]), dtype=self.dtype)
+        new[:, :, : self.length] = self.data[:, :, : self.length]
+        self.data = new
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,88 @@
+"""Reference Llama-family forward pass in torch (FP32 math on the BF16 weights).
+
+This is the readable oracle the native forward (csrc/model.cpp) is tested against, and the
+`backend="torch"` engine path. It reads and writes the same KVCache as the native path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .loader import LayerWeights, ModelWeights
+from .rope import rope_tables
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [M, H, hd]; cos/sin: [M, hd/2] -> rotate-half convention of HF Llama
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class TorchModel:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights):
+        self.cfg = cfg
+        # FP32 copies made once: this path is the oracle, so clarity beats memory here
+        f32 = torch.float32
+        up = lambda t: None if t is None else t.to(f32)
+        self.w = ModelWeights(
+            embed=weights.embed, norm=weights.norm, lm_head=weights.lm_head.to(f32),
+            layers=[LayerWeights(**{k: up(v) for k, v in vars(lw).items()}) for lw in weights.layers])
+        self._cos, self._sin = rope_tables(cfg, 0)
+
+    def _rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos.shape[0] < n:
+            self._cos, self._sin = rope_tables(self.cfg, max(n, 2 * self._cos.shape[0]))
+        return self._cos, self._sin
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache) -> torch.Tensor:
+        """tokens [M] at positions start_pos.. -> logits [M, V] fp32; writes K/V rows."""
+        cfg, f32 = self.cfg, torch.float32
+        M, H, KVH, hd = tokens.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        end = start_pos + M
+        cos_t, sin_t = self._rope(end)
+        cos, sin = cos_t[start_pos:end], sin_t[start_pos:end]
+        h = self.w.embed[tokens].to(f32)  # [M, D]
+        # causal mask over the cache rows 0..end-1 for query rows at start_pos..end-1
+        mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [M, end]
+        for i, lw in enumerate(self.w.layers):
+            x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
+            q = F.linear(x, lw.wq, lw.bq).view(M, H, hd)
+            k = F.linear(x, lw.wk, lw.bk).view(M, KVH, hd)
+            v = F.linear(x, lw.wv, lw.bv).view(M, KVH, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kv.data[i, 0, start_pos:end] = k.to(kv.dtype)
+            kv.data[i, 1, start_pos:end] = v.to(kv.dtype)
+            keys = kv.data[i, 0, :end].to(f32).repeat_interleave(H // KVH, dim=1)  # [end, H, hd]
+            vals = kv.data[i, 1, :end].to(f32).repeat_interleave(H // KVH, dim=1)
+            att = torch.einsum("mhd,thd->hmt", q, keys) / hd ** 0.5
+            att = att.masked_fill(~mask[None], float("-inf")).softmax(-1)
+            o = torch.einsum("hmt,thd->mhd", att, vals).reshape(M, H * hd)
+            h = h + F.linear(o, lw.wo)
+            x = rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps)
+            h = h + F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up),
+                             lw.w_down)
+        h = rms_norm(h, self.w.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.w.lm_head)
+
+
+class TorchBackend:
+    """Engine backend on the torch reference model (FP32 KV cache: an oracle, not a fast path)."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights):
+        self.cfg = cfg
+        self.model = TorchModel(cfg, weights)
+        self.kv = KVCache(cfg, 0, dtype=torch.float32)
+
+    def forward(self, tokens, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+        logits = self.model.forward(torch.as_tensor(list(tokens), dtype=torch.long), start_pos, self.kv)
+        return logits if all_logits else logits[-1:]

@@ -1,0 +1,99 @@
+"""Tokenizer (the `tokenizers` library) + chat template (jinja2, rendered as transformers does)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .errors import ModelLoadError
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, dict):  # AddedToken serialized form
+        return v.get("content")
+    return v
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ModelLoadError(f"{model_dir}: no tokenizer.json")
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on parse errors
+            raise ModelLoadError(f"{path}: invalid tokenizer ({str(e).splitlines()[0]})") from None
+        cfg: dict[str, Any] = {}
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.exists():
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._compiled = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+            env.globals["raise_exception"] = _raise_exception
+            try:
+                self._compiled = env.from_string(template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ModelLoadError(f"{cfg_path}: invalid chat template ({e})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self._compiled is None:
+            raise ValueError("this model has no chat template")
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        # transformers tokenizes a rendered template without adding special tokens again
+        return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]),
+                           add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns a growing token list into text pieces without splitting multi-byte characters."""
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of decode(self._ids) already returned
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        piece = text[self._emitted:]
+        self._emitted = len(text)
+        return piece
