@@ -1,4 +1,220 @@
+// Causal attention over the shared BF16 KV cache: scalar reference, dispatcher, OpenMP driver
+// and Python bindings. The fast kernels are in csrc/x86/attention_{avx2,avx512}.cpp.
+//
+// Every path computes one (row, head) output with the same three passes over keys 0..p,
+// p = start_pos + i (causal by construction: nothing beyond p is ever read):
+//   1. s_j = scale · q·K_j          (into per-thread scratch)
+//   2. e_j = exp(s_j - max_j s_j),  sum = Σ e_j
+//   3. out = (Σ e_j · V_j) / sum
+// The order of every reduction depends only on p, so row i is bit-identical for any m, any
+// content of the other rows and any thread count (DESIGN.md invariant 2).
+#include "attention.h"
+
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
 #include "bindings.h"
+
 namespace qspec {
-void bind_attention(pybind11::module_& m) {}  // placeholder until the subsystem lands
+
+namespace {
+
+float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+int64_t head_dim_of(const AttnArgs& a) { return a.kv.head_dim; }
+
+}  // namespace
+
+void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
+  const int64_t hd = head_dim_of(a);
+  const int64_t kvh = h / (a.n_heads / a.kv.kv_heads);
+  const int64_t p = a.start_pos + i;
+  const float* q = a.q + (i * a.n_heads + h) * hd;
+  float* out = a.out + (i * a.n_heads + h) * hd;
+
+  float max_s = -INFINITY;
+  for (int64_t j = 0; j <= p; ++j) {
+    const uint16_t* k = a.kv.k(a.layer, j) + kvh * hd;
+    float dot = 0.f;
+    for (int64_t d = 0; d < hd; ++d) dot += q[d] * bf16_to_f32(k[d]);
+    scores[j] = a.scale * dot;
+    if (scores[j] > max_s) max_s = scores[j];
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j <= p; ++j) {
+    scores[j] = std::exp(scores[j] - max_s);
+    sum += scores[j];
+  }
+  for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
+  for (int64_t j = 0; j <= p; ++j) {
+    const uint16_t* v = a.kv.v(a.layer, j) + kvh * hd;
+    for (int64_t d = 0; d < hd; ++d) out[d] += scores[j] * bf16_to_f32(v[d]);
+  }
+  for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
+}
+
+const char* attn_path_name(AttnPath p) {
+  switch (p) {
+    case AttnPath::ref: return "ref";
+    case AttnPath::avx2: return "avx2";
+    case AttnPath::avx512: return "avx512";
+  }
+  return "?";
+}
+
+bool attn_supports(AttnPath p, const AttnArgs& a) {
+  switch (p) {
+    case AttnPath::ref: return true;
+    case AttnPath::avx2: return int(isa_selected()) >= int(Isa::avx2) && a.kv.head_dim % 8 == 0;
+    case AttnPath::avx512:
+      return int(isa_selected()) >= int(Isa::avx512) && a.kv.head_dim % 8 == 0;
+  }
+  return false;
+}
+
+// Depends on the ISA level and head_dim only — never on m or positions (invariant 2).
+AttnPath attn_choose(const AttnArgs& a) {
+  for (AttnPath p : {AttnPath::avx512, AttnPath::avx2})
+    if (attn_supports(p, a)) return p;
+  return AttnPath::ref;
+}
+
+void attention_path(AttnPath p, const AttnArgs& a) {
+  if (!attn_supports(p, a))
+    throw std::invalid_argument(std::string("attention path '") + attn_path_name(p) +
+                                "' is not supported on this CPU / ISA level / head_dim");
+  if (a.m <= 0) return;
+  AttnRowHeadFn fn = p == AttnPath::avx512 ? attn_row_head_avx512
+                     : p == AttnPath::avx2 ? attn_row_head_avx2
+                                           : attn_row_head_ref;
+  const int64_t units = a.m * a.n_heads;
+  const int64_t max_keys = a.start_pos + a.m;  // longest row: p = start_pos + m - 1
+#pragma omp parallel
+  {
+    // Per-thread scratch for one row's scores; grows to the longest context seen, kept across
+    // calls (OpenMP worker threads persist), so decode steps do not allocate.
+    thread_local std::vector<float> scratch;
+    if (int64_t(scratch.size()) < max_keys + 16) scratch.resize(max_keys + 16);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) fn(a, u / a.n_heads, u % a.n_heads, scratch.data());
+  }
+}
+
+void attention(const AttnArgs& a) { attention_path(attn_choose(a), a); }
+
+// ---------------------------------------------------------------------------------------------
+// Python bindings
+
+namespace py = pybind11;
+
+namespace {
+
+AttnPath attn_path_from_name(const std::string& name) {
+  for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512})
+    if (name == attn_path_name(p)) return p;
+  throw std::invalid_argument("attention path '" + name + "' is not one of ref, avx2, avx512");
+}
+
+// A probe AttnArgs with the given head_dim, for the shape-independent questions from Python.
+AttnArgs probe_args(int64_t head_dim) {
+  AttnArgs a;
+  a.kv.head_dim = head_dim;
+  return a;
+}
+
+py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
+                                std::optional<float> scale, std::optional<std::string> path) {
+  if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
+      q_in.itemsize() != 4)
+    throw std::invalid_argument("attention: q must be a float32 array");
+  if (kv_in.dtype().kind() != 'u' || kv_in.itemsize() != 2)
+    throw std::invalid_argument("attention: kv must be a uint16 array of bf16 bits");
+  if (q_in.ndim() != 3)
+    throw std::invalid_argument("attention: q must be [m, n_heads, head_dim]");
+  if (kv_in.ndim() != 5)
+    throw std::invalid_argument("attention: kv must be [layers, 2, max_seq, kv_heads, head_dim]");
+  if (!(kv_in.flags() & py::array::c_style))
+    throw std::invalid_argument("attention: kv must be C-contiguous (it is the shared cache)");
+  auto q = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(q_in);
+
+  AttnArgs a;
+  a.m = q.shape(0);
+  a.n_heads = q.shape(1);
+  a.kv.layers = kv_in.shape(0);
+  a.kv.max_seq = kv_in.shape(2);
+  a.kv.kv_heads = kv_in.shape(3);
+  a.kv.head_dim = kv_in.shape(4);
+  a.layer = layer;
+  a.start_pos = start_pos;
+  if (kv_in.shape(1) != 2) throw std::invalid_argument("attention: kv dim 1 must be 2 (K, V)");
+  if (a.kv.head_dim <= 0 || a.kv.kv_heads <= 0)
+    throw std::invalid_argument("attention: kv_heads and head_dim must be positive");
+  if (q.shape(2) != a.kv.head_dim)
+    throw std::invalid_argument("attention: q head_dim " + std::to_string(q.shape(2)) +
+                                " != kv head_dim " + std::to_string(a.kv.head_dim));
+  if (a.n_heads <= 0 || a.n_heads % a.kv.kv_heads != 0)
+    throw std::invalid_argument("attention: n_heads " + std::to_string(a.n_heads) +
+                                " must be a positive multiple of kv_heads " +
+                                std::to_string(a.kv.kv_heads));
+  if (layer < 0 || layer >= a.kv.layers)
+    throw std::invalid_argument("attention: layer " + std::to_string(layer) + " out of range [0, " +
+                                std::to_string(a.kv.layers) + ")");
+  if (start_pos < 0) throw std::invalid_argument("attention: start_pos must be >= 0");
+  if (start_pos + a.m > a.kv.max_seq)
+    throw std::invalid_argument("attention: positions up to " + std::to_string(start_pos + a.m - 1) +
+                                " exceed max_seq " + std::to_string(a.kv.max_seq));
+  a.scale = scale ? *scale : 1.f / std::sqrt(float(a.kv.head_dim));
+  if (!std::isfinite(a.scale)) throw std::invalid_argument("attention: scale must be finite");
+  AttnPath p = path ? attn_path_from_name(*path) : attn_choose(a);
+  if (!attn_supports(p, a))
+    throw std::invalid_argument(std::string("attention: path '") + attn_path_name(p) +
+                                "' is not usable here (ISA level " + isa_name(isa_selected()) +
+                                ", head_dim " + std::to_string(a.kv.head_dim) + ")");
+
+  py::array_t<float> out({a.m, a.n_heads, a.kv.head_dim});
+  a.q = q.data();
+  a.out = out.mutable_data();
+  a.kv.data = static_cast<uint16_t*>(const_cast<void*>(kv_in.data()));
+  {
+    py::gil_scoped_release release;
+    attention_path(p, a);
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_attention(py::module_& m) {
+  m.def("attention", &attention_py, py::arg("q"), py::arg("kv"), py::arg("layer"),
+        py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
+        "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
+        "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
+        "scale defaults to 1/sqrt(head_dim), path to attn_choose()");
+  m.def("attn_paths", [] {
+    std::vector<std::string> names;
+    AttnArgs a = probe_args(64);
+    for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512})
+      if (attn_supports(p, a)) names.push_back(attn_path_name(p));
+    return names;
+  }, "Attention paths usable at the selected ISA level (for head_dim a multiple of 8)");
+  m.def("attn_choose", [](int64_t head_dim) {
+    if (head_dim <= 0) throw std::invalid_argument("attn_choose: head_dim must be positive");
+    return std::string(attn_path_name(attn_choose(probe_args(head_dim))));
+  }, py::arg("head_dim") = 64, "The path attention() takes at the selected ISA level");
+}
+
 }  // namespace qspec

@@ -40,6 +40,16 @@ const char* attn_path_name(AttnPath p);
 bool attn_supports(AttnPath p, const AttnArgs& a);
 AttnPath attn_choose(const AttnArgs& a);  // by isa_selected(); never changes with m
 void attention(const AttnArgs& a);         // dispatches
-void attention_path(AttnPath p, const AttnArgs& a);
+void attention_path(AttnPath p, const AttnArgs& a);  // throws std::invalid_argument if unsupported
+
+// Per-path kernels for ONE (query row i, head h): out[i, h, :] from keys 0 .. start_pos + i,
+// sequentially in a fixed order that depends only on start_pos + i. `scratch` holds at least
+// start_pos + i + 1 floats (per-thread, owned by the driver). The driver in attention.cpp
+// splits (row, head) pairs over OpenMP threads; each pair is computed by exactly one thread.
+// The _avx2 / _avx512 kernels live in csrc/x86 and may only run when attn_supports() says so.
+using AttnRowHeadFn = void (*)(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
+void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
+void attn_row_head_avx2(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
+void attn_row_head_avx512(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 
 }  // namespace qspec

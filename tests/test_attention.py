@@ -1,0 +1,349 @@
+"""Causal attention over the shared BF16 KV cache (csrc/attention.*, csrc/x86/attention_*).
+
+Every path this CPU can run is checked against an independent float64 numpy computation
+(masked softmax attention with GQA heads repeated), and for the two properties the lossless
+speculative decoder rests on, bit-exactly: batch invariance (row i does not depend on m, on the
+other query rows, or on the thread count) and the causal mask (cache rows beyond a query's
+position are never read).
+"""
+import functools
+
+import numpy as np
+import pytest
+
+from qspec import _C
+
+PATHS = _C.attn_paths()
+
+# FP32 accumulation over up to ~1000 keys against a float64 oracle; outputs are O(1).
+TOL_F32_VS_F64 = dict(rtol=1e-4, atol=3e-5)
+# Long contexts (tens of thousands of keys) accumulate more FP32 rounding in Σ e_j · V_j.
+TOL_F32_VS_F64_LONG = dict(rtol=1e-3, atol=2e-4)
+
+# (n_heads, kv_heads, head_dim)
+SMOLLM2 = (9, 3, 64)
+LLAMA3_8B = (32, 8, 128)
+MHA = (4, 4, 64)
+SHAPES = {"smollm2": SMOLLM2, "llama3_8b": LLAMA3_8B, "mha": MHA}
+MS = [1, 2, 5, 9, 17, 33]
+START_POS = [0, 1, 31, 100, 1000]
+LAYERS = 2
+MAX_SEQ = 1040  # >= max(START_POS) + max(MS)
+
+BF16_NAN = 0x7FC0
+BF16_INF = 0x7F80
+
+
+def to_bf16_bits(x):
+    """float32 -> bf16 bits, round to nearest even (finite inputs)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def bf16_bits_to_f64(b):
+    return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def make_cache(kv_heads, head_dim, max_seq=MAX_SEQ, seed=0):
+    """Random cache [layers, 2, max_seq, kv_heads, head_dim]; read-only so tests can share it."""
+    rng = np.random.default_rng(seed)
+    kv = to_bf16_bits(rng.standard_normal((LAYERS, 2, max_seq, kv_heads, head_dim), np.float32))
+    kv.flags.writeable = False
+    return kv
+
+
+def make_q(m, n_heads, head_dim, seed=1, amp=1.0):
+    rng = np.random.default_rng(seed)
+    return (amp * rng.standard_normal((m, n_heads, head_dim))).astype(np.float32)
+
+
+def attention_f64(q, kv, layer, start_pos, scale=None):
+    """Independent oracle: float64 masked softmax attention, GQA by repeating kv heads."""
+    m, n_heads, head_dim = q.shape
+    kv_heads = kv.shape[3]
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    n = start_pos + m
+    k = np.repeat(bf16_bits_to_f64(kv[layer, 0, :n]), n_heads // kv_heads, axis=1)  # [n, H, D]
+    v = np.repeat(bf16_bits_to_f64(kv[layer, 1, :n]), n_heads // kv_heads, axis=1)  # [n, H, D]
+    s = scale * np.einsum("ihd,jhd->ihj", q.astype(np.float64), k)  # [m, H, n]
+    pos = start_pos + np.arange(m)
+    s = np.where(np.arange(n)[None, None, :] <= pos[:, None, None], s, -np.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(axis=-1, keepdims=True)
+    return np.einsum("ihj,jhd->ihd", w, v)
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(shape_name, m, start_pos):
+    n_heads, kv_heads, head_dim = SHAPES[shape_name]
+    q = make_q(m, n_heads, head_dim)
+    return q, attention_f64(q, make_cache(kv_heads, head_dim), 1, start_pos)
+
+
+def bits(x):
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.fixture
+def threads():
+    """Lets a test change the OpenMP thread count; restores it afterwards."""
+    before = _C.get_num_threads()
+    yield _C.set_num_threads
+    _C.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ accuracy vs float64 oracle
+
+
+def _check_vs_oracle(path, shape_name, m, start_pos):
+    n_heads, kv_heads, head_dim = SHAPES[shape_name]
+    q, expect = oracle(shape_name, m, start_pos)
+    got = _C.attention(q, make_cache(kv_heads, head_dim), 1, start_pos, path=path)
+    assert got.dtype == np.float32 and got.shape == (m, n_heads, head_dim)
+    np.testing.assert_allclose(got, expect, **TOL_F32_VS_F64)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape_name", ["smollm2", "mha"])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("start_pos", START_POS)
+def test_matches_float64(path, shape_name, m, start_pos):
+    _check_vs_oracle(path, shape_name, m, start_pos)
+
+
+# Llama-3-8B-like heads: every m and position for the fast paths, a corner subset for the scalar
+# reference by default (it is the slow one); the full product runs under -m slow.
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("start_pos", START_POS)
+def test_matches_float64_llama(path, m, start_pos):
+    if path == "ref" and (m, start_pos) not in [(1, 0), (1, 1000), (9, 31), (33, 100)]:
+        pytest.skip("scalar reference on the 32/8/128 shape: corner subset only (see -m slow)")
+    _check_vs_oracle(path, "llama3_8b", m, start_pos)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("start_pos", START_POS)
+def test_matches_float64_llama_ref_full(m, start_pos):
+    _check_vs_oracle("ref", "llama3_8b", m, start_pos)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("head_dim", [8, 24, 72, 120])  # every column split of the fast V pass
+@pytest.mark.parametrize("heads", [(6, 2), (5, 1)])
+def test_awkward_head_dims(path, head_dim, heads):
+    n_heads, kv_heads = heads
+    kv = make_cache(kv_heads, head_dim)
+    q = make_q(7, n_heads, head_dim)
+    got = _C.attention(q, kv, 0, 15, path=path)
+    np.testing.assert_allclose(got, attention_f64(q, kv, 0, 15), **TOL_F32_VS_F64)
+
+
+def test_ref_any_head_dim():
+    kv = make_cache(2, 20)
+    q = make_q(3, 4, 20)
+    got = _C.attention(q, kv, 1, 9, path="ref")
+    np.testing.assert_allclose(got, attention_f64(q, kv, 1, 9), **TOL_F32_VS_F64)
+    assert _C.attn_choose(20) == "ref"
+    assert _C.attention(q, kv, 1, 9).shape == (3, 4, 20)  # dispatcher falls back to ref
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_custom_scale_and_large_scores(path):
+    # Scores in the hundreds: exp overflows unless the max is subtracted first.
+    kv = make_cache(3, 64)
+    q = make_q(4, 9, 64, amp=30.0)
+    for scale in [None, 0.37]:
+        got = _C.attention(q, kv, 1, 50, scale=scale, path=path)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, attention_f64(q, kv, 1, 50, scale), **TOL_F32_VS_F64)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_last_position_of_cache(path):
+    kv = make_cache(3, 64, max_seq=200)
+    q = make_q(9, 9, 64)
+    got = _C.attention(q, kv, 1, 200 - 9, path=path)
+    np.testing.assert_allclose(got, attention_f64(q, kv, 1, 200 - 9), **TOL_F32_VS_F64)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fast_paths_close_to_ref(path):
+    kv = make_cache(3, 64)
+    q = make_q(9, 9, 64)
+    ref = _C.attention(q, kv, 1, 300, path="ref")
+    np.testing.assert_allclose(_C.attention(q, kv, 1, 300, path=path), ref, **TOL_F32_VS_F64)
+
+
+def test_empty_query():
+    out = _C.attention(np.zeros((0, 9, 64), np.float32), make_cache(3, 64), 0, 5)
+    assert out.shape == (0, 9, 64)
+
+
+def test_non_contiguous_q_is_accepted():
+    kv = make_cache(3, 64)
+    q = make_q(5, 9, 128)[:, :, ::2]
+    np.testing.assert_array_equal(bits(_C.attention(q, kv, 1, 20)),
+                                  bits(_C.attention(np.ascontiguousarray(q), kv, 1, 20)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PATHS)
+def test_long_context(path):
+    max_seq = 24576
+    kv = make_cache(3, 64, max_seq=max_seq)
+    q = make_q(3, 9, 64, amp=3.0)
+    got = _C.attention(q, kv, 1, max_seq - 3, path=path)
+    np.testing.assert_allclose(got, attention_f64(q, kv, 1, max_seq - 3), **TOL_F32_VS_F64_LONG)
+
+
+# ------------------------------------------------------------------ batch invariance (bit-exact)
+
+
+def _garbage_rows(q, keep, seed):
+    """Copy of q whose rows other than `keep` hold garbage (huge values, inf, NaN)."""
+    rng = np.random.default_rng(seed)
+    g = (1e4 * rng.standard_normal(q.shape)).astype(np.float32)
+    g.reshape(-1)[::7] = np.inf
+    g.reshape(-1)[3::11] = np.nan
+    g[keep] = q[keep]
+    return g
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+@pytest.mark.parametrize("start_pos", [0, 31, 1000])
+def test_row_independent_of_batch(path, shape_name, start_pos):
+    n_heads, kv_heads, head_dim = SHAPES[shape_name]
+    kv = make_cache(kv_heads, head_dim)
+    m = 9
+    q = make_q(m, n_heads, head_dim)
+    batch = _C.attention(q, kv, 1, start_pos, path=path)
+    for i in range(m):
+        alone = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path)
+        np.testing.assert_array_equal(bits(alone[0]), bits(batch[i]), err_msg=f"row {i}")
+        mixed = _C.attention(_garbage_rows(q, i, seed=i), kv, 1, start_pos, path=path)
+        np.testing.assert_array_equal(bits(mixed[i]), bits(batch[i]), err_msg=f"row {i}")
+    # Growing m (a verify pass of K+1 rows vs a shorter one) leaves the shared rows unchanged.
+    for m2 in [1, 2, 5, 17, 33]:
+        q2 = make_q(m2, n_heads, head_dim, seed=5)
+        q2[:min(m, m2)] = q[:min(m, m2)]
+        out2 = _C.attention(q2, kv, 1, start_pos, path=path)
+        k = min(m, m2)
+        np.testing.assert_array_equal(bits(out2[:k]), bits(batch[:k]), err_msg=f"m={m2}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_bit_identical_across_thread_counts(path, shape_name, threads):
+    n_heads, kv_heads, head_dim = SHAPES[shape_name]
+    kv = make_cache(kv_heads, head_dim)
+    for m, start_pos in [(1, 500), (9, 100), (33, 1000)]:
+        q = make_q(m, n_heads, head_dim, seed=m)
+        outs = []
+        for n in [1, 2, 3]:
+            threads(n)
+            outs.append(bits(_C.attention(q, kv, 0, start_pos, path=path)))
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def test_dispatcher_ignores_m():
+    kv = make_cache(3, 64)
+    q = make_q(33, 9, 64)
+    chosen = _C.attn_choose(64)
+    batch = _C.attention(q, kv, 1, 100)
+    np.testing.assert_array_equal(bits(batch), bits(_C.attention(q, kv, 1, 100, path=chosen)))
+    for i in [0, 7, 32]:
+        np.testing.assert_array_equal(bits(_C.attention(q[i:i + 1], kv, 1, 100 + i)[0]),
+                                      bits(batch[i]))
+
+
+# ------------------------------------------------------------------ causal mask
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("start_pos", [0, 5, 100])
+def test_cache_beyond_position_is_never_read(path, start_pos):
+    kv = make_cache(3, 64).copy()
+    m = 9
+    q = make_q(m, 9, 64)
+    before = _C.attention(q, kv, 1, start_pos, path=path)
+    for i in range(m):
+        p = start_pos + i
+        poisoned = kv.copy()
+        poisoned[:, :, p + 1:] = BF16_NAN
+        poisoned[:, :, p + 1::3] = BF16_INF
+        poisoned[0] = BF16_NAN  # another layer's cache is not read either
+        alone = _C.attention(q[i:i + 1], poisoned, 1, p, path=path)
+        np.testing.assert_array_equal(bits(alone[0]), bits(before[i]), err_msg=f"row {i}")
+        # Rows 0..i of a batch see only their own prefixes too.
+        part = _C.attention(q[:i + 1], poisoned, 1, start_pos, path=path)
+        np.testing.assert_array_equal(bits(part), bits(before[:i + 1]), err_msg=f"rows 0..{i}")
+
+
+# ------------------------------------------------------------------ paths, dispatch, bad inputs
+
+
+def test_paths_and_choice():
+    assert PATHS[0] == "ref"
+    info = _C.cpu_info()
+    if not info["features"]["avx512f"]:
+        assert "avx512" not in PATHS
+    assert _C.attn_choose(64) == PATHS[-1]
+    assert _C.attn_choose(128) == PATHS[-1]
+
+
+def test_isa_limit_restricts_paths():
+    before = _C.isa_selected()
+    try:
+        _C.set_isa_limit("scalar")
+        assert _C.attn_paths() == ["ref"]
+        assert _C.attn_choose(64) == "ref"
+        with pytest.raises(ValueError, match="not usable"):
+            _C.attention(make_q(1, 9, 64), make_cache(3, 64), 0, 3, path="avx2")
+    finally:
+        _C.set_isa_limit(before)
+    assert _C.attn_paths() == PATHS
+
+
+def _bad_call_cases():
+    kv = make_cache(3, 64, max_seq=64)
+    q = make_q(2, 9, 64)
+    return {
+        "q float64": lambda: _C.attention(q.astype(np.float64), kv, 0, 0),
+        "q float16": lambda: _C.attention(q.astype(np.float16), kv, 0, 0),
+        "q 2-d": lambda: _C.attention(q[0], kv, 0, 0),
+        "kv float32": lambda: _C.attention(q, kv.astype(np.float32), 0, 0),
+        "kv int16": lambda: _C.attention(q, kv.astype(np.int16), 0, 0),
+        "kv 4-d": lambda: _C.attention(q, kv[0], 0, 0),
+        "kv not K,V": lambda: _C.attention(q, np.ascontiguousarray(kv[:, :1]), 0, 0),
+        "kv non-contiguous": lambda: _C.attention(q, kv[:, :, ::2], 0, 0),
+        "head_dim mismatch": lambda: _C.attention(make_q(2, 9, 32), kv, 0, 0),
+        "heads not multiple": lambda: _C.attention(make_q(2, 8, 64), kv, 0, 0),
+        "layer too big": lambda: _C.attention(q, kv, LAYERS, 0),
+        "layer negative": lambda: _C.attention(q, kv, -1, 0),
+        "start_pos negative": lambda: _C.attention(q, kv, 0, -1),
+        "beyond max_seq": lambda: _C.attention(q, kv, 0, 63),
+        "far beyond max_seq": lambda: _C.attention(q, kv, 0, 10_000),
+        "scale nan": lambda: _C.attention(q, kv, 0, 0, scale=float("nan")),
+        "unknown path": lambda: _C.attention(q, kv, 0, 0, path="avx3"),
+        "avx2 on head_dim 20": lambda: _C.attention(make_q(1, 4, 20), make_cache(2, 20), 0, 0,
+                                                    path="avx2"),
+        "choose head_dim 0": lambda: _C.attn_choose(0),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_call_cases()))
+def test_bad_inputs_raise_value_error(case):
+    with pytest.raises(ValueError):
+        _bad_call_cases()[case]()
+
+
+def test_exactly_at_max_seq_is_fine():
+    kv = make_cache(3, 64, max_seq=64)
+    assert _C.attention(make_q(2, 9, 64), kv, 0, 62).shape == (2, 9, 64)
