@@ -1,4 +1,254 @@
+// MX direct cast (OCP Microscaling Formats v1.0 conversion; Rouhani et al. 2023, arXiv
+// 2310.10537, Algorithm 1; the rules as qspec reads them are /work/shared/MX.md) and its exact inverse, plus the pybind11 bindings `_C.mx_quantize` /
+// `_C.mx_dequantize`.
+//
+// The cast is done in integer arithmetic on the FP32 bit patterns, so it is exact and does not
+// depend on the floating-point environment (rounding mode, FTZ/DAZ): the readable oracle is
+// qspec/mx.py (impl="reference") and the two agree bit for bit (tests/test_mx.py).
+//
+// qspec choices where the spec leaves one (see /work/shared/MX.md, marked **qspec**):
+// - ties round to even;
+// - a block holding NaN or ±Inf gets the NaN scale 0xFF and all-zero codes;
+// - a block whose max |V| is zero or an FP32 subnormal gets scale 0x00 and all-zero codes;
+// - an element that rounds to zero (incl. -0.0) is code 0: no negative-zero codes are emitted;
+// - K is padded with zeros to a multiple of 32.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <string>
+
 #include "bindings.h"
+#include "mx.h"
+
+namespace py = pybind11;
+
 namespace qspec {
-void bind_mx(pybind11::module_& m) {}  // placeholder until the subsystem lands
+namespace {
+
+// Largest finite code magnitude (sign bit clear) of each element format: max normal.
+// E4M3: S.1111.111 is NaN so 0x7E (448); E5M2: exponent 11111 is Inf/NaN so 0x7B (57344).
+int max_code_magnitude(WFormat f) {
+  switch (f) {
+    case WFormat::mxfp4: return 0x7;        // 0.11.1 = 6
+    case WFormat::mxfp6_e2m3: return 0x1F;  // 0.11.111 = 7.5
+    case WFormat::mxfp6_e3m2: return 0x1F;  // 0.111.11 = 28
+    case WFormat::mxfp8_e4m3: return 0x7E;  // 0.1111.110 = 448
+    case WFormat::mxfp8_e5m2: return 0x7B;  // 0.11110.11 = 57344
+    case WFormat::mxint8: return 127;       // 127 * 2^-6
+    default: throw std::invalid_argument("not an MX format: " + std::string(mx_format(f).name));
+  }
+}
+
+// Round m * 2^-shift to the nearest integer, ties to even (m < 2^24, shift may be <= 0).
+inline uint32_t shift_round_even(uint32_t m, int shift) {
+  if (shift <= 0) return m << -shift;  // only tiny FP32-subnormal inputs; exact
+  if (shift > 25) return 0;            // m < 2^24 <= half of 2^shift: rounds to 0
+  const uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1);
+  const uint32_t half = 1u << (shift - 1);
+  return q + ((rem > half || (rem == half && (q & 1))) ? 1 : 0);
+}
+
+struct CastParams {
+  WFormat f;
+  int bits, mbits, emax;
+  int emin;         // exponent of the smallest normal element: 1 - bias
+  int qmin;         // log2 of the subnormal spacing: emin - mbits
+  uint32_t maxmag;  // largest finite code magnitude
+  bool is_int;
+};
+
+CastParams cast_params(WFormat f) {
+  const MxFormat& m = mx_format(f);
+  CastParams p;
+  p.f = f;
+  p.bits = m.bits;
+  p.mbits = m.mbits;
+  p.emax = m.emax;
+  p.emin = 1 - m.bias;
+  p.qmin = p.emin - m.mbits;
+  p.maxmag = uint32_t(max_code_magnitude(f));
+  p.is_int = f == WFormat::mxint8;
+  return p;
+}
+
+// One element: bits of V (finite) and the block's shared exponent -> canonical code.
+inline uint8_t cast_element(const CastParams& p, uint32_t vbits, int shared_exp) {
+  const uint32_t a = vbits & 0x7FFFFFFFu;
+  if (a == 0) return 0;
+  const uint32_t sign = vbits >> 31;
+  // |V| = m * 2^ev exactly, m < 2^24.
+  const int efield = int(a >> 23);
+  const uint32_t m = efield ? ((a & 0x7FFFFFu) | 0x800000u) : a;
+  const int ev = (efield ? efield : 1) - 150;
+  // |P| = |V| / X = m * 2^(ev - shared_exp); its quantum 2^q in the element format.
+  int q;
+  if (p.is_int) {
+    q = -6;  // INT8: value = code * 2^-6, one fixed spacing
+  } else {
+    const int log2m = 31 - __builtin_clz(m);
+    const int e = log2m + ev - shared_exp;  // floor(log2 |P|)
+    q = (e > p.emin ? e : p.emin) - p.mbits;  // normals: 2^(e-mbits); subnormals: 2^qmin
+  }
+  const uint32_t n = shift_round_even(m, q - (ev - shared_exp));  // |P| / 2^q, rounded
+  if (n == 0) return 0;  // qspec: zero is always code 0 (no -0 codes)
+  uint32_t mag;
+  if (p.is_int) {
+    mag = n;
+  } else {
+    // n * 2^q as a code: exponent field (q - qmin) above the mantissa, n's leading bit carries
+    // into it (n = 2^(mbits+1) after rounding up is the next binade's 1.0).
+    mag = (uint32_t(q - p.qmin) << p.mbits) + n;
+  }
+  if (mag > p.maxmag) mag = p.maxmag;  // saturate to ±max normal (MX.md step 3)
+  if (p.is_int) return uint8_t(sign ? -int32_t(mag) : int32_t(mag));  // two's complement
+  return uint8_t((sign << (p.bits - 1)) | mag);
+}
+
+// One block of 32 (already zero-padded) -> 32 codes + its E8M0 scale.
+inline uint8_t cast_block(const CastParams& p, const uint32_t* vbits, uint8_t* codes) {
+  uint32_t amax = 0;  // max |V| as bits: integer order == float order for non-negative values
+  for (int i = 0; i < kMxBlock; ++i) {
+    const uint32_t a = vbits[i] & 0x7FFFFFFFu;
+    amax = a > amax ? a : amax;
+  }
+  std::memset(codes, 0, kMxBlock);
+  if (amax >= 0x7F800000u) return kE8M0Nan;  // NaN or Inf in the block (qspec: NaN scale)
+  if (amax < 0x00800000u) return 0;          // zero or FP32-subnormal max (qspec: flush)
+  // Step 1: shared_exp = floor(log2(max|V|)) - emax_elem, clamped to E8M0.
+  int shared_exp = int(amax >> 23) - 127 - p.emax;
+  if (shared_exp > 127) return kE8M0Nan;  // unreachable from FP32 input; kept as the spec says
+  if (shared_exp < -127) shared_exp = -127;
+  for (int i = 0; i < kMxBlock; ++i) codes[i] = cast_element(p, vbits[i], shared_exp);
+  return uint8_t(shared_exp + kE8M0Bias);
+}
+
+}  // namespace
+
+void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,
+                      uint8_t* scales) {
+  const CastParams p = cast_params(f);
+  const int64_t nblocks = (k + kMxBlock - 1) / kMxBlock;
+  const int64_t kpad = nblocks * kMxBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * k;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      uint32_t vbits[kMxBlock] = {0};  // padding elements are +0
+      const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);
+      std::memcpy(vbits, xr + b * kMxBlock, size_t(n) * sizeof(float));
+      scales[r * nblocks + b] = cast_block(p, vbits, codes + r * kpad + b * kMxBlock);
+    }
+  }
+}
+
+void mx_dequantize_rows(WFormat f, const uint8_t* codes, const uint8_t* scales, int64_t rows,
+                        int64_t k, float* out) {
+  (void)max_code_magnitude(f);  // rejects bf16
+  const std::array<float, 256> table = mx_decode_table(f);
+  const int64_t nblocks = (k + kMxBlock - 1) / kMxBlock;
+  const int64_t kpad = nblocks * kMxBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < k; ++j) {
+      const uint8_t s = scales[r * nblocks + j / kMxBlock];
+      // Exact: every element value times a power of two in [2^-127, 2^127] is an FP32 number
+      // (or overflows to Inf for codes the cast never produces); double avoids relying on
+      // FP32-subnormal arithmetic for the 2^-127 scale.
+      const double x = s == kE8M0Nan ? double(NAN)
+                                     : double(table[codes[r * kpad + j]]) *
+                                           std::ldexp(1.0, int(s) - kE8M0Bias);
+      out[r * k + j] = float(x);
+    }
+  }
+}
+
+namespace {
+
+WFormat mx_format_arg(const std::string& name) {
+  const WFormat f = wformat_from_name(name);
+  if (f == WFormat::bf16)
+    throw std::invalid_argument("'bf16' is not an MX format (expected mxfp4, mxfp6_e2m3, "
+                                "mxfp6_e3m2, mxfp8_e4m3, mxfp8_e5m2 or mxint8)");
+  return f;
+}
+
+template <typename T>
+py::array_t<T> checked_2d(const py::array& a, const char* what) {
+  if (!py::isinstance<py::array_t<T>>(a) || a.ndim() != 2 ||
+      !(a.flags() & py::array::c_style))
+    throw std::invalid_argument(std::string(what) + " must be a C-contiguous 2-D " +
+                                (std::is_same<T, float>::value ? "float32" : "uint8") +
+                                " array");
+  return py::reinterpret_borrow<py::array_t<T>>(a);
+}
+
+}  // namespace
+
+void bind_mx(py::module_& m) {
+  m.def(
+      "mx_quantize",
+      [](const py::array& x_in, const std::string& fmt) {
+        const WFormat f = mx_format_arg(fmt);
+        const auto x = checked_2d<float>(x_in, "x");
+        const int64_t rows = x.shape(0), k = x.shape(1);
+        if (k < 1) throw std::invalid_argument("x must have at least one column");
+        const int64_t nblocks = (k + kMxBlock - 1) / kMxBlock;
+        py::array_t<uint8_t> codes({rows, nblocks * kMxBlock});
+        py::array_t<uint8_t> scales({rows, nblocks});
+        const float* xp = x.data();
+        uint8_t* cp = codes.mutable_data();
+        uint8_t* sp = scales.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          mx_quantize_rows(f, xp, rows, k, cp, sp);
+        }
+        return py::make_tuple(codes, scales);
+      },
+      py::arg("x"), py::arg("fmt"),
+      "MX direct cast (OCP MX v1.0) of fp32 [R, K] along K: -> (codes uint8 [R, Kpad], "
+      "E8M0 scales uint8 [R, Kpad/32]), one canonical element code per byte");
+  m.def(
+      "mx_dequantize",
+      [](const py::array& codes_in, const py::array& scales_in, const std::string& fmt,
+         int64_t k) {
+        const WFormat f = mx_format_arg(fmt);
+        const auto codes = checked_2d<uint8_t>(codes_in, "codes");
+        const auto scales = checked_2d<uint8_t>(scales_in, "scales");
+        const int64_t rows = codes.shape(0);
+        const int64_t nblocks = (k + kMxBlock - 1) / kMxBlock;
+        if (k < 1) throw std::invalid_argument("k must be >= 1");
+        if (codes.shape(1) != nblocks * kMxBlock)
+          throw std::invalid_argument("codes must have ceil(k/32)*32 = " +
+                                      std::to_string(nblocks * kMxBlock) + " columns, got " +
+                                      std::to_string(codes.shape(1)));
+        if (scales.shape(0) != rows || scales.shape(1) != nblocks)
+          throw std::invalid_argument("scales must be [" + std::to_string(rows) + ", " +
+                                      std::to_string(nblocks) + "]");
+        const uint8_t* cp = codes.data();
+        const int bits = mx_format(f).bits;
+        if (bits < 8) {
+          const size_t n = size_t(codes.size());
+          uint8_t any = 0;
+          for (size_t i = 0; i < n; ++i) any |= cp[i];
+          if (any >> bits)
+            throw std::invalid_argument("codes hold values >= 2^" + std::to_string(bits) +
+                                        ", not " + fmt + " codes");
+        }
+        py::array_t<float> out({rows, k});
+        const uint8_t* sp = scales.data();
+        float* op = out.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          mx_dequantize_rows(f, cp, sp, rows, k, op);
+        }
+        return out;
+      },
+      py::arg("codes"), py::arg("scales"), py::arg("fmt"), py::arg("k"),
+      "Exact inverse view of mx_quantize: element value * 2^(scale-127) (0xFF -> NaN), fp32 [R, k]");
+}
+
 }  // namespace qspec

@@ -89,4 +89,12 @@ inline float e8m0_to_float(uint8_t s) {
   return s == kE8M0Nan ? NAN : std::ldexp(1.0f, int(s) - kE8M0Bias);
 }
 
+// MX direct cast of fp32 rows x[rows, k] along k (csrc/mx.cpp): codes [rows, kpad] one canonical
+// code per byte, scales [rows, kpad/32] E8M0, kpad = ceil(k/32)*32. Throws for bf16.
+void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,
+                      uint8_t* scales);
+// Inverse: out[rows, k] = element value * 2^(scale-127) (scale 0xFF -> NaN), exact in fp32.
+void mx_dequantize_rows(WFormat f, const uint8_t* codes, const uint8_t* scales, int64_t rows,
+                        int64_t k, float* out);
+
 }  // namespace qspec
