@@ -1,0 +1,566 @@
+"""Import a GGUF file (llama.cpp) as a Hugging Face style directory of BF16 safetensors.
+
+`qspec convert MODEL.gguf OUT_DIR` calls `convert_gguf`. The output is what qspec (and
+transformers) load: config.json, model.safetensors (sharded above 4 GB), tokenizer.json,
+tokenizer_config.json, generation_config.json.
+
+Choices:
+- Every tensor is dequantized by the gguf package (`gguf.quants.dequantize`) to float32 and
+  rounded to BF16 (round-to-nearest-even, torch). Norm weights too: HF checkpoints such as
+  SmolLM2 store them in BF16, one dtype per file keeps the loader simple, and the model loader
+  upcasts norms to fp32 anyway.
+- llama.cpp's converter interleaves the rows of q_proj / k_proj for the `llama` architecture
+  (RoPE on adjacent pairs instead of HF's halves); `unpermute_qk` undoes it. `qwen2` is stored
+  unpermuted by llama.cpp, so it is copied as is.
+- Writing is atomic: everything goes into a temp directory beside OUT_DIR, then one rename.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qspec.errors import ModelLoadError
+
+SHARD_BYTES = 4 * 1024**3  # one safetensors file up to this size, then shards
+BF16_BYTES = 2
+
+# GGUF architecture -> (HF architecture class, HF model_type, llama.cpp permuted Q/K rows)
+SUPPORTED_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+}
+
+# Pre-tokenizer regexes of the BPE tokenizers we rebuild, keyed by tokenizer.ggml.pre.
+# GPT-2's pattern is the one tokenizers' ByteLevel(use_regex=True) applies itself.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_PRE = {"default", "gpt-2", "gpt2"}
+# llama.cpp splits every digit on its own, then applies GPT-2's pattern (StarCoder family).
+_DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "codeshell"}
+_SPLIT_PRE = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors llama.cpp adds that HF recomputes: RoPE frequency factors (mapped to rope_scaling).
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row interleave for one projection (weight [rows, K] or bias [rows]).
+
+    llama.cpp (convert_hf_to_gguf.py, LlamaModel.permute) stores
+        gguf = hf.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(hf.shape)
+    i.e. within each head, HF row j * (head_dim/2) + i (j = half 0/1) becomes gguf row 2 * i + j.
+    The inverse views gguf as [n_head, head_dim/2, 2, ...] and swaps the two middle axes back.
+    n_head is the head count of that projection (num_key_value_heads for k_proj).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ModelLoadError(f"cannot un-permute a Q/K tensor of {rows} rows over {n_head} heads")
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass
+class _Source:
+    """A GGUF file opened for conversion: its reader, architecture and hyper-parameters."""
+
+    path: Path
+    reader: object  # gguf.GGUFReader
+    arch: str
+    hparams: dict
+
+
+def _open_gguf(path: Path):
+    # gguf imports lazily: importing it costs ~0.3 s and most qspec commands never need it.
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        reader = GGUFReader(path, "r")
+        # Touch every tensor's metadata now, so a truncated file fails here, not mid-write.
+        for t in reader.tensors:
+            n_bytes = int(t.n_bytes)
+            if t.data.nbytes != n_bytes:
+                raise ValueError(f"tensor {t.name} is truncated")
+    except ModelLoadError:
+        raise
+    except (ValueError, struct.error, IndexError, KeyError, TypeError, OverflowError, EOFError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelLoadError(f"{path.name} is not a valid GGUF file ({msg})") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        value = field.contents()
+    except (ValueError, IndexError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"GGUF metadata key {key} is unreadable ({e})") from None
+    return value
+
+
+def _require(reader, key: str):
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata key {key} is missing")
+    return value
+
+
+def _read_source(path: Path) -> _Source:
+    reader = _open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{path.name}: GGUF metadata general.architecture is missing")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ModelLoadError(f"unsupported GGUF architecture '{arch}' (supported: {supported})")
+
+    a = arch
+    n_embd = int(_require(reader, f"{a}.embedding_length"))
+    n_head = int(_require(reader, f"{a}.attention.head_count"))
+    n_head_kv = int(_field(reader, f"{a}.attention.head_count_kv", n_head))
+    head_dim = int(_field(reader, f"{a}.attention.key_length", n_embd // n_head))
+    tensor_names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(f"{path.name}: tensor token_embd.weight is missing")
+    vocab_size = int(_field(reader, f"{a}.vocab_size", int(embd.shape[-1])))
+    hparams = {
+        "hidden_size": n_embd,
+        "intermediate_size": int(_require(reader, f"{a}.feed_forward_length")),
+        "num_hidden_layers": int(_require(reader, f"{a}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(_field(reader, f"{a}.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    rope_scaling = _rope_scaling(reader, a, hparams)
+    if rope_scaling is not None:
+        hparams["rope_scaling"] = rope_scaling
+    return _Source(path=path, reader=reader, arch=arch, hparams=hparams)
+
+
+def _rope_scaling(reader, a: str, hp: dict) -> dict | None:
+    """HF rope_scaling from the GGUF keys, or from llama.cpp's rope_freqs tensor (Llama 3.1+)."""
+    kind = _field(reader, f"{a}.rope.scaling.type")
+    factor = _field(reader, f"{a}.rope.scaling.factor")
+    orig_ctx = _field(reader, f"{a}.rope.scaling.original_context_length")
+    if kind in ("linear", "yarn") and factor:
+        scaling = {"rope_type": kind, "factor": float(factor)}
+        if kind == "yarn" and orig_ctx:
+            scaling["original_max_position_embeddings"] = int(orig_ctx)
+        return scaling
+    if kind not in (None, "none"):
+        raise ModelLoadError(f"unsupported GGUF rope scaling type '{kind}'")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None
+    return _llama3_scaling_from_factors(_dequantize(freqs), hp["head_dim"], hp["rope_theta"])
+
+
+def _llama3_rope_factors(head_dim, theta, factor, low, high, orig_ctx) -> np.ndarray:
+    # Llama 3.1 frequency scaling (as HF's _compute_llama3_parameters), expressed the way
+    # llama.cpp stores it: the divisor of each rotary frequency.
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (orig_ctx / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < orig_ctx / high, 1.0, np.where(wavelen > orig_ctx / low, factor, medium))
+
+
+def _llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict:
+    """GGUF keeps only the per-frequency factors; find the llama3 parameters that produce them."""
+    factors = factors.astype(np.float64).reshape(-1)
+    factor = float(np.round(factors.max(), 4))
+    for orig_ctx in (8192, 4096, 2048, 16384, 32768):
+        for low in (1.0, 2.0, 0.5):
+            for high in (4.0, 2.0, 8.0, 1.0):
+                if high <= low:
+                    continue
+                want = _llama3_rope_factors(head_dim, theta, factor, low, high, orig_ctx)
+                if want.shape == factors.shape and np.allclose(want, factors, rtol=1e-4):
+                    return {
+                        "rope_type": "llama3",
+                        "factor": factor,
+                        "low_freq_factor": low,
+                        "high_freq_factor": high,
+                        "original_max_position_embeddings": orig_ctx,
+                    }
+    raise ModelLoadError("GGUF rope_freqs tensor does not match any llama3 rope scaling parameters")
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """float32 array in numpy (row-major) order: ggml's shape [ne0, ne1] is [cols, rows]."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    try:
+        values = np.asarray(dequantize(np.asarray(tensor.data), tensor.tensor_type), dtype=np.float32)
+        if not values.flags.writeable:  # F32 tensors come back as a view of the read-only mmap
+            values = values.copy()
+        return values.reshape(shape)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"tensor {tensor.name}: GGUF type {tensor.tensor_type.name} cannot be dequantized"
+        ) from None
+    except (ValueError, IndexError, TypeError) as e:
+        raise ModelLoadError(f"tensor {tensor.name} is corrupt ({e})") from None
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name}")
+
+
+def _expected_shapes(src: _Source) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape every supported model must provide (biases are checked where present)."""
+    hp = src.hparams
+    d, f, v = hp["hidden_size"], hp["intermediate_size"], hp["vocab_size"]
+    q, kv = hp["num_attention_heads"] * hp["head_dim"], hp["num_key_value_heads"] * hp["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not hp["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(hp["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        })
+    return shapes
+
+
+def _plan_tensors(src: _Source) -> list[tuple[object, str]]:
+    """(gguf tensor, HF name) for every tensor written, validated against the config."""
+    hp = src.hparams
+    expected = _expected_shapes(src)
+    plan = []
+    for t in src.reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if name.endswith(".bias"):
+            weight_rows = expected.get(name[: -len("bias")] + "weight", (None,))[0]
+            want = (weight_rows,)
+        elif name in expected:
+            want = expected.pop(name)
+        else:
+            raise ModelLoadError(f"unexpected GGUF tensor {t.name}")
+        if shape != want:
+            raise ModelLoadError(f"tensor {t.name} has shape {list(shape)}, config implies {list(want)}")
+        plan.append((t, name))
+    if expected:
+        missing = sorted(expected)[0]
+        raise ModelLoadError(f"{src.path.name}: tensor for {missing} is missing ({len(expected)} missing)")
+    if hp["num_hidden_layers"] and src.arch == "qwen2":
+        has_bias = any(n.endswith("q_proj.bias") for _, n in plan)
+        if not has_bias:
+            raise ModelLoadError(f"{src.path.name}: qwen2 GGUF without attention biases")
+    return plan
+
+
+def _to_hf_tensor(src: _Source, tensor, name: str) -> torch.Tensor:
+    values = _dequantize(tensor)
+    permuted, hp = SUPPORTED_ARCHITECTURES[src.arch][2], src.hparams
+    if permuted and ".self_attn.q_proj." in name:
+        values = unpermute_qk(values, hp["num_attention_heads"])
+    elif permuted and ".self_attn.k_proj." in name:
+        values = unpermute_qk(values, hp["num_key_value_heads"])
+    # torch's float32 -> bfloat16 cast rounds to nearest even.
+    return torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16)
+
+
+def _shard_plan(plan):
+    """Split the tensor list into consecutive groups of at most SHARD_BYTES of BF16."""
+    shards, current, size = [], [], 0
+    for item in plan:
+        n = int(np.prod([int(x) for x in item[0].shape])) * BF16_BYTES
+        if current and size + n > SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _write_weights(src: _Source, plan, out: Path, progress: bool) -> None:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    shards = _shard_plan(plan)
+    bar = tqdm(
+        total=len(plan), unit="tensor", desc=f"convert {src.path.name}", file=sys.stderr,
+        disable=not progress or not sys.stderr.isatty(), leave=False,
+    )
+    weight_map, total_size = {}, 0
+    with bar:
+        for i, shard in enumerate(shards):
+            file = "model.safetensors" if len(shards) == 1 else (
+                f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+            tensors = {}
+            for tensor, name in shard:
+                tensors[name] = _to_hf_tensor(src, tensor, name)
+                total_size += tensors[name].numel() * BF16_BYTES
+                weight_map[name] = file
+                bar.update(1)
+            save_file(tensors, str(out / file), metadata={"format": "pt"})
+            del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        _write_json(out / "model.safetensors.index.json", index)
+
+
+def _token_strings(reader) -> tuple[list[str], list[int]]:
+    tokens = _require(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelLoadError("GGUF tokenizer.ggml.token_type and tokens differ in length")
+    return list(tokens), [int(x) for x in types]
+
+
+def _pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    if pre in _SPLIT_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    raise ModelLoadError(f"unsupported GGUF tokenizer pre-tokenizer '{pre}'")
+
+
+def _build_tokenizer(reader, add_bos: bool, add_eos: bool, bos_id, eos_id):
+    """tokenizers.Tokenizer equivalent to llama.cpp's BPE vocab (tokenizer.ggml.model = gpt2)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    kind = _require(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"unsupported GGUF tokenizer model '{kind}' (only BPE 'gpt2' is supported)")
+    tokens, types = _token_strings(reader)
+    merges = [tuple(m.split(" ", 1)) for m in _require(reader, "tokenizer.ggml.merges")]
+    if any(len(m) != 2 for m in merges):
+        raise ModelLoadError("GGUF tokenizer.ggml.merges has an entry without a space")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelLoadError("GGUF tokenizer vocabulary has duplicate tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(t, special=(ty == _TOKEN_TYPE_CONTROL), normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+    if added:  # add_tokens keeps the existing ids; only order/specialness matter
+        tok.add_special_tokens([a for a in added if a.special])
+    single, pair, special = "$A", "$A:0 $B:1", []
+    if add_bos and bos_id is not None:
+        single, pair = f"{tokens[bos_id]} {single}", f"{tokens[bos_id]} $A:0 {tokens[bos_id]}:1 $B:1"
+        special.append((tokens[bos_id], bos_id))
+    if add_eos and eos_id is not None:
+        single, pair = f"{single} {tokens[eos_id]}", f"{pair} {tokens[eos_id]}:1"
+        special.append((tokens[eos_id], eos_id))
+    if special:
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=list(dict.fromkeys(special)))
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok, tokens
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_tokenizer_and_configs(src: _Source, out: Path) -> None:
+    reader, hp = src.reader, src.hparams
+    ids = {
+        k: (None if v is None else int(v)) for k, v in {
+            "bos": _field(reader, "tokenizer.ggml.bos_token_id"),
+            "eos": _field(reader, "tokenizer.ggml.eos_token_id"),
+            "unk": _field(reader, "tokenizer.ggml.unknown_token_id"),
+            "pad": _field(reader, "tokenizer.ggml.padding_token_id"),
+        }.items()
+    }
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    tok, tokens = _build_tokenizer(reader, add_bos, add_eos, ids["bos"], ids["eos"])
+    for k, v in ids.items():
+        if v is not None and not 0 <= v < len(tokens):
+            raise ModelLoadError(f"GGUF tokenizer.ggml.{k}_token_id {v} is outside the vocabulary")
+    tok.save(str(out / "tokenizer.json"))
+
+    hf_class, model_type, _ = SUPPORTED_ARCHITECTURES[src.arch]
+    config = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_act": "silu",
+        **hp,
+        "torch_dtype": "bfloat16",
+        "qspec_source": {"file": src.path.name, "size": src.path.stat().st_size},
+    }
+    if model_type == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    for k in ("bos", "eos", "pad"):
+        if ids[k] is not None:
+            config[f"{k}_token_id"] = ids[k]
+    _write_json(out / "config.json", config)
+
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": hp["max_position_embeddings"],
+    }
+    for k in ("bos", "eos", "unk", "pad"):
+        if ids[k] is not None:
+            tok_config[f"{k}_token"] = tokens[ids[k]]
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        tok_config["chat_template"] = template
+    _write_json(out / "tokenizer_config.json", tok_config)
+
+    gen = {k + "_token_id": ids[k] for k in ("bos", "eos", "pad") if ids[k] is not None}
+    _write_json(out / "generation_config.json", gen)
+
+
+def _is_nonempty_dir(p: Path) -> bool:
+    return p.is_dir() and any(p.iterdir())
+
+
+def convert_gguf(gguf_path, out_dir, *, progress: bool = True, overwrite: bool = False) -> Path:
+    """Convert a GGUF file into an HF-style BF16 directory at out_dir; return out_dir.
+
+    Raises ModelLoadError (one-line message) for a missing/corrupt/unsupported GGUF or an
+    existing non-empty out_dir (unless overwrite=True, which replaces it). Never leaves a
+    partial out_dir behind.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ModelLoadError(f"output path {out_dir} exists and is not a directory")
+    if _is_nonempty_dir(out_dir) and not overwrite:
+        raise ModelLoadError(f"output directory {out_dir} is not empty (use another path or overwrite)")
+    src = _read_source(gguf_path)
+    plan = _plan_tensors(src)
+
+    parent = out_dir.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelLoadError(f"cannot create {parent}: {e.strerror or e}") from None
+    tmp = parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        _write_tokenizer_and_configs(src, tmp)
+        _write_weights(src, plan, tmp, progress)
+        _move_into_place(tmp, out_dir, overwrite)
+    except OSError as e:
+        raise ModelLoadError(f"cannot write {out_dir}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return out_dir
+
+
+def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    try:
+        os.rename(tmp, out_dir)  # replaces an empty directory atomically on POSIX
+        return
+    except OSError:
+        if not (overwrite and out_dir.is_dir()):
+            if _is_nonempty_dir(out_dir):
+                raise ModelLoadError(f"output directory {out_dir} is not empty") from None
+            raise
+    # overwrite: move the old directory aside, put the new one in place, then drop the old one.
+    old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def add_convert_parser(subparsers) -> None:
+    """Register `qspec convert MODEL.gguf OUT_DIR` on an argparse subparsers object."""
+    p = subparsers.add_parser("convert", help="import a GGUF file as a BF16 safetensors directory")
+    p.add_argument("gguf", help="path of the .gguf file")
+    p.add_argument("out_dir", help="output directory (must not exist or be empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=run_convert)
+
+
+def run_convert(args) -> int:
+    """CLI body; ModelLoadError propagates for the CLI to print as one line."""
+    out = convert_gguf(args.gguf, args.out_dir, overwrite=getattr(args, "overwrite", False))
+    print(f"converted {args.gguf} -> {out}")
+    return 0
