@@ -218,6 +218,17 @@ def _garbage_rows(q, keep, seed):
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("start_pos", [0, 31, 1000])
 def test_row_independent_of_batch(path, shape_name, start_pos):
+    if path == "ref" and shape_name == "llama3_8b" and start_pos == 1000:
+        pytest.skip("scalar reference, 32/8/128 heads at position 1000: see the -m slow twin")
+    _check_row_independent(path, shape_name, start_pos)
+
+
+@pytest.mark.slow
+def test_row_independent_of_batch_ref_llama_far():
+    _check_row_independent("ref", "llama3_8b", 1000)
+
+
+def _check_row_independent(path, shape_name, start_pos):
     n_heads, kv_heads, head_dim = SHAPES[shape_name]
     kv = make_cache(kv_heads, head_dim)
     m = 9
@@ -242,7 +253,8 @@ def test_row_independent_of_batch(path, shape_name, start_pos):
 def test_bit_identical_across_thread_counts(path, shape_name, threads):
     n_heads, kv_heads, head_dim = SHAPES[shape_name]
     kv = make_cache(kv_heads, head_dim)
-    for m, start_pos in [(1, 500), (9, 100), (33, 1000)]:
+    cases = [(1, 500), (9, 100), (33, 1000)] if path != "ref" else [(1, 500), (9, 100), (33, 40)]
+    for m, start_pos in cases:
         q = make_q(m, n_heads, head_dim, seed=m)
         outs = []
         for n in [1, 2, 3]:
@@ -269,7 +281,7 @@ def test_dispatcher_ignores_m():
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("start_pos", [0, 5, 100])
 def test_cache_beyond_position_is_never_read(path, start_pos):
-    kv = make_cache(3, 64).copy()
+    kv = make_cache(3, 64, max_seq=128).copy()
     m = 9
     q = make_q(m, 9, 64)
     before = _C.attention(q, kv, 1, start_pos, path=path)
