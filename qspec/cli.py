@@ -6,8 +6,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
+from .draft import DRAFT_FORMATS
 from .errors import QspecError
+from .speculative import DRAFT_MAX_LIMIT
 
 
 def _positive_int(s: str) -> int:
@@ -17,6 +20,18 @@ def _positive_int(s: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _draft_max(s: str) -> int | str:
+    if s == "auto":
+        return s
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {s!r}") from None
+    if not 1 <= v <= DRAFT_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in 1..{DRAFT_MAX_LIMIT}, got {v}")
     return v
 
 
@@ -36,6 +51,24 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: on when the model has one)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
+    g.add_argument("--draft", choices=("none", "auto") + DRAFT_FORMATS, default="auto",
+                   help="MX format of the draft (default: auto = the measured best; none = plain decoding)")
+    g.add_argument("--draft-lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
+                   help="draft LM head: bf16 shares the target's (default), or an MX copy")
+    g.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", type=_draft_max, default=None,
+                   help="tokens drafted per step: 1..32 or auto (cost model)")
+    g.add_argument("--draft-min", "--spec-draft-n-min", dest="draft_min", type=_positive_int, default=None,
+                   help="never verify fewer drafted tokens than this")
+    g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
+                   help="stop drafting when the draft's top-1 probability is below this (0..1)")
+    g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
+
+    q = sub.add_parser("quantize", help="write the MX draft of a model to a file (memory-mapped at load)")
+    q.add_argument("model", nargs="?", help="model directory (default: the default model)")
+    q.add_argument("--format", choices=DRAFT_FORMATS, default=None, help="draft format (default: the measured best)")
+    q.add_argument("--lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
+                   help="draft LM head format (default: bf16 = shared with the target, not stored)")
+    q.add_argument("-o", "--out", help="output file (default: MODEL/draft-FORMAT.qspec.safetensors)")
 
     c = sub.add_parser("convert", help="import a GGUF file into a Hugging Face directory (BF16)")
     c.add_argument("gguf", help="input .gguf file")
@@ -53,9 +86,18 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         if sys.stdin is None or sys.stdin.isatty():
             raise QspecError("no prompt: pass it as an argument or on stdin")
         prompt = sys.stdin.read()
-    engine = load(a.model, threads=a.threads)
+    # validate the draft length flags before loading anything
+    from .speculative import DraftParams
+    from .engine import DEFAULT_DRAFT_PARAMS as d
+
+    DraftParams(d.draft_max if a.draft_max is None else a.draft_max,
+                d.draft_min if a.draft_min is None else a.draft_min,
+                d.draft_p_min if a.draft_p_min is None else a.draft_p_min)
+    engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
+                  threads=a.threads, draft_lm_head=a.draft_lm_head)
     kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
-                  seed=a.seed, chat=a.chat)
+                  seed=a.seed, chat=a.chat, draft_max=a.draft_max, draft_min=a.draft_min,
+                  draft_p_min=a.draft_p_min)
     if a.json:
         r = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}))
@@ -88,6 +130,18 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(a: argparse.Namespace) -> int:
+    from .draft import save_draft_file
+    from .engine import DEFAULT_DRAFT, load
+
+    fmt = a.format or DEFAULT_DRAFT.fmt
+    engine = load(a.model, draft=fmt, draft_lm_head=a.lm_head or "bf16")
+    out = Path(a.out) if a.out else engine.model_dir / f"draft-{fmt}.qspec.safetensors"
+    save_draft_file(out, engine.model_dir, engine.draft, engine.backend.draft_packed)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
+    return 0
+
+
 def _cmd_info(a: argparse.Namespace) -> int:
     from . import cpu_info
 
@@ -104,7 +158,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    commands = {"generate": _cmd_generate, "convert": _cmd_convert, "info": _cmd_info}
+    commands = {"generate": _cmd_generate, "convert": _cmd_convert, "quantize": _cmd_quantize,
+                "info": _cmd_info}
     try:
         return commands[args.command](args)
     except BrokenPipeError:  # `qspec generate ... | head`

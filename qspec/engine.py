@@ -13,7 +13,13 @@ from .config import ModelConfig
 from .errors import PromptTooLongError
 from .kv_cache import KVCache
 from .loader import check_model_dir, load_weights
+from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
 from .sampling import SamplingParams, sample, warp
+from .speculative import DraftParams, speculative_tokens
+
+# Chosen by measurement on the dev prompts (README, "Choosing the draft").
+DEFAULT_DRAFT = DraftSpec(fmt="mxfp4", lm_head="bf16")
+DEFAULT_DRAFT_PARAMS = DraftParams(draft_max=4, draft_min=1, draft_p_min=0.0)
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -48,25 +54,33 @@ class Engine:
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 chat: bool | None = None) -> GenerationResult:
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
+                 speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
+                 draft_p_min: float | None = None) -> GenerationResult:
         """Generate a continuation of `prompt` (text, or token ids used as they are).
 
         Greedy when temperature == 0. `chat=None` applies the chat template when the model
         has one (text prompts only). Stops at an EOS token or after `max_new_tokens`.
+        With a draft loaded and `speculative=True`, tokens are drafted with the MX weights and
+        verified by the BF16 weights: the output is exactly what plain decoding gives (greedy:
+        token for token; sampling: the same distribution). `draft_max` is K or "auto";
+        None takes the defaults in `qspec.DEFAULT_DRAFT_PARAMS`.
         """
         stats: dict[str, float] = {}
-        tokens = list(self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats))
+        tokens = list(self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats,
+                                   speculative, draft_max, draft_min, draft_p_min))
         text = self.tokenizer.decode(tokens)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
-               stats: dict[str, float] | None = None) -> Iterator[str]:
+               speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
+               draft_p_min: float | None = None, stats: dict[str, float] | None = None) -> Iterator[str]:
         """Like `generate`, yielding text pieces as tokens are produced; fills `stats` at the end."""
         dec = StreamDecoder(self.tokenizer)
         st = stats if stats is not None else {}
-        for t in self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st):
+        for t in self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
+                              speculative, draft_max, draft_min, draft_p_min):
             piece = dec.push(t)
             if piece:
                 yield piece
@@ -87,17 +101,32 @@ class Engine:
         return ids
 
     # ---------------------------------------------------------------- decoding
-    def _tokens(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
-                stats: dict[str, float]) -> Iterator[int]:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    @property
+    def draft(self) -> "DraftSpec | None":
+        """The loaded draft (format, LM head format), or None."""
+        return getattr(self.backend, "draft", None)
+
+    def _tokens(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats: dict[str, float],
+                speculative, draft_max, draft_min, draft_p_min) -> Iterator[int]:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
+        d = DEFAULT_DRAFT_PARAMS
+        dp = DraftParams(draft_max=d.draft_max if draft_max is None else draft_max,
+                         draft_min=d.draft_min if draft_min is None else draft_min,
+                         draft_p_min=d.draft_p_min if draft_p_min is None else float(draft_p_min))
         ids = self.encode_prompt(prompt, chat)
         if len(ids) + max_new_tokens > self.cfg.max_seq_len:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
                 f"context of {self.cfg.max_seq_len} tokens")
-        yield from self._plain(ids, max_new_tokens, params, stats)
+        first = self._prefill(ids, len(ids) + max_new_tokens, stats)
+        if speculative and self.draft is not None and max_new_tokens > 1:
+            be = self.backend
+            yield from speculative_tokens(be, first, max_new_tokens, params, dp, self.eos_ids,
+                                          be.draft_bytes / be.target_bytes, stats)
+        else:
+            yield from self._plain(first, max_new_tokens, params, stats)
 
     def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> torch.Tensor:
         kv = self.backend.kv
@@ -109,23 +138,21 @@ class Engine:
         stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0)
         return logits[-1]
 
-    def _plain(self, ids: list[int], max_new: int, params: SamplingParams,
+    def _plain(self, logits: torch.Tensor, max_new: int, params: SamplingParams,
                stats: dict[str, float]) -> Iterator[int]:
-        """Plain autoregressive decoding: one target forward per token."""
+        """Plain autoregressive decoding after the prefill: one target forward per token."""
         kv = self.backend.kv
-        logits = self._prefill(ids, len(ids) + max_new, stats)
         gen = None if params.greedy else params.generator()
-        n, decode_s = 0, 0.0
+        n, t_start = 0, time.perf_counter()
         while True:
             tok = int(logits.argmax()) if gen is None else sample(warp(logits, params), gen)
             n += 1
             yield tok
             if tok in self.eos_ids or n == max_new:
                 break
-            t0 = time.perf_counter()
             logits = self.backend.forward([tok], kv.length)[-1]
             kv.length += 1
-            decode_s += time.perf_counter() - t0
+        decode_s = time.perf_counter() - t_start
         stats.update(new_tokens=n, decode_s=decode_s,
                      tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0)
 
@@ -147,10 +174,28 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:
     return {int(i) for i in ids}
 
 
-def load(model: str | Path | None = None, threads: int | None = None, backend: str = "native") -> Engine:
+def _draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None) -> DraftSpec | None:
+    if draft is None or draft == "none":
+        return None
+    if isinstance(draft, DraftSpec):
+        return draft
+    if draft == "auto":
+        return DEFAULT_DRAFT if draft_lm_head is None else DraftSpec(DEFAULT_DRAFT.fmt, draft_lm_head)
+    if draft not in DRAFT_FORMATS:
+        raise ValueError(f"unknown draft format {draft!r} (choose from none, auto, {', '.join(DRAFT_FORMATS)})")
+    return DraftSpec(draft, draft_lm_head or DEFAULT_DRAFT.lm_head)
+
+
+def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
+         draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
+         draft_lm_head: str | None = None) -> Engine:
     """Load a model directory (None = the default SmolLM2-135M-Instruct) into an Engine.
 
-    Raises `qspec.ModelLoadError` for a missing, corrupt or unsupported model.
+    `draft`: "auto" (the measured default format), an MX format name, or None for no draft.
+    `draft_file`: a `qspec quantize` file to memory-map instead of casting at load.
+    `draft_lm_head`: "bf16" (share the target's LM head) or an MX format for the draft's copy.
+    Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
+    unsupported model or draft file, and ValueError for invalid arguments.
     """
     from . import _C
 
@@ -161,6 +206,9 @@ def load(model: str | Path | None = None, threads: int | None = None, backend: s
         torch.set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
+    spec = _draft_spec(draft, draft_lm_head)
+    if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None):
+        raise ValueError("the torch backend has no draft; use backend='native'")
     if model is None:
         from .default_model import default_model_dir
 
@@ -168,6 +216,12 @@ def load(model: str | Path | None = None, threads: int | None = None, backend: s
     model_dir = check_model_dir(model)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     tok = Tokenizer(model_dir)
+    draft_packed = None
+    if draft_file is not None and backend == "native":
+        file_spec, draft_packed = load_draft_file(Path(draft_file), model_dir)
+        if draft not in ("auto", None) and spec != file_spec:
+            raise ValueError(f"--draft {draft} does not match the draft file's format {file_spec.fmt}")
+        spec = file_spec
     weights = load_weights(model_dir, cfg)
     if backend == "torch":
         from .model import TorchBackend
@@ -176,5 +230,5 @@ def load(model: str | Path | None = None, threads: int | None = None, backend: s
     else:
         from .native import NativeBackend
 
-        be = NativeBackend(cfg, weights)
+        be = NativeBackend(cfg, weights, spec, draft_packed)
     return Engine(model_dir, cfg, tok, be, _eos_ids(model_dir, cfg, tok))

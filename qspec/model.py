@@ -62,11 +62,11 @@ class TorchModel:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kv.data[i, 0, start_pos:end] = k.to(kv.dtype)
             kv.data[i, 1, start_pos:end] = v.to(kv.dtype)
-            keys = kv.data[i, 0, :end].to(f32).repeat_interleave(H // KVH, dim=1)  # [end, H, hd]
-            vals = kv.data[i, 1, :end].to(f32).repeat_interleave(H // KVH, dim=1)
-            att = torch.einsum("mhd,thd->hmt", q, keys) / hd ** 0.5
+            keys = kv.data[i, 0, :end].to(f32).repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, end, hd]
+            vals = kv.data[i, 1, :end].to(f32).repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+            att = (q.transpose(0, 1) @ keys.transpose(1, 2)) / hd ** 0.5  # [H, M, end]
             att = att.masked_fill(~mask[None], float("-inf")).softmax(-1)
-            o = torch.einsum("hmt,thd->mhd", att, vals).reshape(M, H * hd)
+            o = (att @ vals).transpose(0, 1).reshape(M, H * hd)
             h = h + F.linear(o, lw.wo)
             x = rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps)
             h = h + F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up),

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 

@@ -1,0 +1,192 @@
+"""Self-speculative decoding: draft K tokens with the MX weights, verify them in ONE BF16 pass.
+
+Both passes share one KV cache (DESIGN.md). A step, at committed length L with `tok` (the last
+emitted token, not yet in the cache):
+  1. draft:  for j < K: forward([prev], L + j, draft weights) -> d_{j+1}; writes provisional K/V
+  2. verify: forward([tok, d1..dK], L, target weights) -> K+1 rows of logits; overwrites L..L+K
+  3. accept: greedy -> the longest prefix with d_j == argmax row j-1, then the target's token;
+             sampling -> Leviathan et al. 2023 rejection sampling (see _accept_sampled)
+  4. commit: length = L + 1 + accepted (rollback of the rest = not counting it)
+Greedy output equals plain greedy token for token because every op is batch-invariant: row j of
+the verify pass is computed bit-identically to a one-row target step at position L + j.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .sampling import SamplingParams, sample, warp
+
+DRAFT_MAX_LIMIT = 32
+
+
+@dataclass(frozen=True)
+class DraftParams:
+    draft_max: int | str = 4     # fixed K, or "auto" (cost model below)
+    draft_min: int = 1           # never verify fewer drafted tokens than this (p_min cannot cut below)
+    draft_p_min: float = 0.0     # stop drafting when the draft's top-1 probability is below this
+
+    def __post_init__(self) -> None:
+        k = self.draft_max
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= DRAFT_MAX_LIMIT):
+            raise ValueError(f"draft_max must be an integer in 1..{DRAFT_MAX_LIMIT} or 'auto', got {k!r}")
+        if not isinstance(self.draft_min, int) or not 1 <= self.draft_min <= DRAFT_MAX_LIMIT:
+            raise ValueError(f"draft_min must be an integer in 1..{DRAFT_MAX_LIMIT}, got {self.draft_min!r}")
+        if k != "auto" and self.draft_min > k:
+            raise ValueError(f"draft_min ({self.draft_min}) must not exceed draft_max ({k})")
+        if not (0.0 <= self.draft_p_min <= 1.0):
+            raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min!r}")
+
+    @property
+    def k_cap(self) -> int:
+        return DRAFT_MAX_LIMIT if self.draft_max == "auto" else int(self.draft_max)
+
+
+class CostModel:
+    """Chooses K to maximise expected tokens per second (BENCH.md: speedup = tau / (K c + v(K))).
+
+    tau(K) = (1 - a^(K+1)) / (1 - a) for a per-token acceptance a (running estimate); c and
+    v(K) are running measurements of a draft step and a (K+1)-row verify, in units of a 1-row
+    target step. Priors: c from the byte ratio of the two weight sets, v(K) = 1 + 0.05 K.
+    """
+
+    def __init__(self, byte_ratio: float, k_max: int, k_min: int):
+        self.k_max, self.k_min = k_max, k_min
+        self.alpha = 0.7           # prior acceptance
+        self.t_draft: float | None = None
+        self.t_verify: dict[int, float] = {}  # rows M -> seconds (EMA)
+        self.c_prior = byte_ratio
+
+    def _ema(self, old: float | None, new: float, w: float = 0.2) -> float:
+        return new if old is None else (1 - w) * old + w * new
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if drafted:
+            # a per-token acceptance estimate from the accepted prefix length
+            self.alpha = self._ema(self.alpha, accepted / drafted, 0.1)
+            self.t_draft = self._ema(self.t_draft, draft_s / drafted)
+        m = drafted + 1
+        self.t_verify[m] = self._ema(self.t_verify.get(m), verify_s)
+
+    def _v(self, m: int) -> float:
+        t1 = self.t_verify.get(1)
+        if m in self.t_verify and t1:
+            return self.t_verify[m] / t1
+        known = [(k, t) for k, t in self.t_verify.items() if k > 1]
+        if t1 and known:
+            k, t = max(known)
+            beta = max(0.0, (t / t1 - 1) / (k - 1))
+            return 1 + beta * (m - 1)
+        return 1 + 0.05 * (m - 1)
+
+    def _c(self) -> float:
+        t1 = self.t_verify.get(1) or (self.t_verify and min(self.t_verify.values()))
+        if self.t_draft is not None and t1:
+            return self.t_draft / t1
+        return self.c_prior
+
+    def choose(self) -> int:
+        a = min(max(self.alpha, 0.0), 0.995)
+        c = self._c()
+        best_k, best = self.k_min, -1.0
+        for k in range(self.k_min, self.k_max + 1):
+            tau = (1 - a ** (k + 1)) / (1 - a)
+            rate = tau / (k * c + self._v(k + 1))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+
+def _accept_sampled(drafts: list[int], qs: list[torch.Tensor], p_rows: torch.Tensor,
+                    params: SamplingParams, gen: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): returns (accepted, next).
+
+    Draft token x ~ q is kept with probability min(1, p(x)/q(x)); at the first rejection the
+    replacement is drawn from normalize(max(0, p - q)); after K acceptances the bonus token is
+    drawn from p of the last row. The emitted tokens are then distributed exactly as p.
+    """
+    for j, (x, q) in enumerate(zip(drafts, qs)):
+        p = warp(p_rows[j], params)
+        u = float(torch.rand((), generator=gen))
+        if u * float(q[x]) < float(p[x]):  # u < p/q without dividing by a zero q
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        return j, sample(residual / total if total > 0 else p, gen)
+    return len(drafts), sample(warp(p_rows[len(drafts)], params), gen)
+
+
+def speculative_tokens(backend, first_logits: torch.Tensor, max_new: int, params: SamplingParams,
+                       dp: DraftParams, eos_ids: set[int], byte_ratio: float,
+                       stats: dict[str, float]) -> Iterator[int]:
+    """Yields new tokens after a target prefill whose last-row logits are `first_logits`."""
+    kv = backend.kv
+    gen = None if params.greedy else params.generator()
+    cost = CostModel(byte_ratio, dp.k_cap, dp.draft_min) if dp.draft_max == "auto" else None
+    drafted = accepted = steps = 0
+    draft_s = verify_s = 0.0
+    t_start = time.perf_counter()
+
+    tok = int(first_logits.argmax()) if gen is None else sample(warp(first_logits, params), gen)
+    n = 1
+    yield tok
+    while tok not in eos_ids and n < max_new:
+        base = kv.length  # position of `tok`
+        k = cost.choose() if cost else dp.k_cap
+        k = min(k, max_new - n - 1)  # never draft past what may still be emitted
+        # 1. draft
+        t0 = time.perf_counter()
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        prev = tok
+        for j in range(k):
+            lg = backend.forward([prev], base + j, draft=True)[-1]
+            if gen is None:
+                d = int(lg.argmax())
+                conf = float(torch.softmax(lg, -1)[d]) if dp.draft_p_min > 0 else 1.0
+            else:
+                q = warp(lg, params)
+                d = sample(q, gen)
+                qs.append(q)
+                conf = float(q.max())
+            drafts.append(d)
+            prev = d
+            if conf < dp.draft_p_min and j + 1 >= dp.draft_min:
+                break
+        t1 = time.perf_counter()
+        # 2. verify [tok, d1..dK] in one target pass (overwrites the provisional K/V rows)
+        rows = backend.forward([tok] + drafts, base, all_logits=True)
+        t2 = time.perf_counter()
+        # 3. accept
+        if gen is None:
+            target = rows.argmax(-1).tolist()
+            a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
+            nxt = target[a]
+        else:
+            a, nxt = _accept_sampled(drafts, qs, rows, params, gen)
+        # 4. commit tok + accepted drafts; the rest of the rows are simply not counted
+        kv.length = base + 1 + a
+        steps += 1
+        drafted += len(drafts)
+        accepted += a
+        draft_s += t1 - t0
+        verify_s += t2 - t1
+        if cost:
+            cost.observe(len(drafts), a, t1 - t0, t2 - t1)
+        for t in drafts[:a] + [nxt]:
+            tok = t
+            n += 1
+            yield t
+            if t in eos_ids or n == max_new:
+                break
+    decode_s = time.perf_counter() - t_start
+    stats.update(new_tokens=n, decode_s=decode_s, tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
+                 drafted=drafted, accepted=accepted,
+                 acceptance_rate=accepted / drafted if drafted else 0.0,
+                 tokens_per_step=(n - 1) / steps if steps else 0.0, draft_s=draft_s, verify_s=verify_s,
+                 steps=steps)
