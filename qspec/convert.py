@@ -291,6 +291,7 @@ def _plan_tensors(src: _Source) -> list[tuple[object, str]]:
     """(gguf tensor, HF name) for every tensor written, validated against the config."""
     hp = src.hparams
     expected = _expected_shapes(src)
+    all_shapes = dict(expected)
     plan = []
     for t in src.reader.tensors:
         name = _hf_name(t.name)
@@ -298,7 +299,7 @@ def _plan_tensors(src: _Source) -> list[tuple[object, str]]:
             continue
         shape = tuple(int(x) for x in reversed(t.shape))
         if name.endswith(".bias"):
-            weight_rows = expected.get(name[: -len("bias")] + "weight", (None,))[0]
+            weight_rows = all_shapes.get(name[: -len("bias")] + "weight", (None,))[0]
             want = (weight_rows,)
         elif name in expected:
             want = expected.pop(name)

