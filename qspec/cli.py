@@ -35,8 +35,15 @@ def _draft_max(s: str) -> int | str:
     return v
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"qspec: error: {message}\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
+    p = _Parser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
     sub = p.add_subparsers(dest="command", required=True, metavar="{generate,convert,quantize,info}")
 
     g = sub.add_parser("generate", help="generate text (prompt argument or stdin)")
@@ -86,10 +93,12 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         if sys.stdin is None or sys.stdin.isatty():
             raise QspecError("no prompt: pass it as an argument or on stdin")
         prompt = sys.stdin.read()
-    # validate the draft length flags before loading anything
-    from .speculative import DraftParams
+    # validate sampling and draft-length flags before loading anything
     from .engine import DEFAULT_DRAFT_PARAMS as d
+    from .sampling import SamplingParams
+    from .speculative import DraftParams
 
+    SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     DraftParams(d.draft_max if a.draft_max is None else a.draft_max,
                 d.draft_min if a.draft_min is None else a.draft_min,
                 d.draft_p_min if a.draft_p_min is None else a.draft_p_min)

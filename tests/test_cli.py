@@ -1,0 +1,103 @@
+"""The `qspec` command: output, stats line, JSON, and one-line errors with non-zero exit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, stdin=None, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "qspec.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=e, timeout=600)
+
+
+def assert_one_line_error(r, *words):
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_info():
+    r = run("info")
+    assert r.returncode == 0 and "isa" in r.stdout and "threads" in r.stdout
+
+
+def test_info_honours_qspec_isa():
+    r = run("info", env={"QSPEC_ISA": "scalar"})
+    assert r.returncode == 0 and "selected scalar" in r.stdout
+
+
+def test_bad_qspec_isa():
+    assert_one_line_error(run("info", env={"QSPEC_ISA": "sse9"}), "QSPEC_ISA")
+
+
+def test_generate_default_model_streams_and_reports(default_model_dir):
+    r = run("generate", "-n", "24", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    stats = r.stderr.strip().splitlines()[-1]
+    for key in ("prompt", "prefill", "tok/s", "drafted", "accepted", "tok/step", "draft", "verify"):
+        assert key in stats, stats
+
+
+def test_generate_json_stdin_plain(default_model_dir):
+    r = run("generate", "--json", "--draft", "none", "-n", "8", "--no-chat", stdin="The capital of France is")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) <= 8 and out["text"] and out["stats"]["new_tokens"] == len(out["tokens"])
+
+
+def test_quantize_then_generate_from_draft_file(default_model_dir, tmp_path):
+    f = tmp_path / "d.safetensors"
+    r = run("quantize", str(default_model_dir), "--format", "mxfp4", "-o", str(f))
+    assert r.returncode == 0, r.stderr
+    a = run("generate", "--json", "-m", str(default_model_dir), "--draft-file", str(f), "-n", "24", "Hi!")
+    b = run("generate", "--json", "-m", str(default_model_dir), "--draft", "none", "-n", "24", "Hi!")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
+    assert json.loads(a.stdout)["stats"]["drafted"] > 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["generate", "-m", "/nonexistent/model", "hi"], ["/nonexistent/model"]),
+    (["generate", "-n", "0", "hi"], ["max-new-tokens"]),
+    (["generate", "--draft-max", "33", "hi"], ["draft-max"]),
+    (["generate", "--draft-max", "0", "hi"], ["draft-max"]),
+    (["generate", "--draft", "mxfp3", "hi"], ["--draft"]),
+    (["generate", "--draft-p-min", "1.5", "hi"], ["draft_p_min"]),
+    (["generate", "--temp", "-1", "hi"], ["temperature"]),
+    (["generate", "--top-p", "0", "hi"], ["top_p"]),
+    (["generate", "--top-k", "-2", "hi"], ["top_k"]),
+    (["generate", "--bogus-flag", "hi"], ["--bogus-flag"]),
+    (["generate", "--draft-file", "/nonexistent.safetensors", "hi"], ["/nonexistent.safetensors"]),
+    (["convert", "/nonexistent.gguf", "/tmp/qspec-never"], ["/nonexistent.gguf"]),
+])
+def test_user_errors_are_one_line(args, words):
+    r = run(*args)
+    assert_one_line_error(r, *words)
+
+
+def test_prompt_too_long(default_model_dir):
+    r = run("generate", "-n", "10", "--no-chat", "word " * 9000)
+    assert_one_line_error(r, "context")
+
+
+def test_not_a_model_dir(tmp_path):
+    assert_one_line_error(run("generate", "-m", str(tmp_path), "hi"), "config.json")
+
+
+def test_draft_file_of_another_model(default_model_dir, tmp_path):
+    from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
+
+    cfg = synthetic_config("smollm2-135m", hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
+                           n_kv_heads=2, head_dim=16, vocab_size=32)
+    tiny = save_model_dir(tmp_path / "tiny", cfg, synthetic_weights(cfg))
+    f = tmp_path / "tiny-draft.safetensors"
+    assert run("quantize", str(tiny), "-o", str(f)).returncode == 0
+    r = run("generate", "-m", str(default_model_dir), "--draft-file", str(f), "hi")
+    assert_one_line_error(r, "another checkpoint")

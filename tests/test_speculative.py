@@ -1,0 +1,175 @@
+"""Speculative decoding: bit-exact losslessness (greedy), exact distribution (sampling), shared KV."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import qspec
+from qspec import _C
+from qspec.draft import DRAFT_FORMATS
+from qspec.sampling import SamplingParams, warp
+from qspec.speculative import _accept_sampled
+
+PROMPTS_FILE = Path(os.environ.get("QSPEC_PROMPTS", Path(__file__).resolve().parents[2] / "shared/prompts/dev.jsonl"))
+ISA_LEVELS = _C.cpu_info()["isa_levels"]
+
+
+def dev_prompts() -> list[str]:
+    assert PROMPTS_FILE.exists(), f"prompt set not found: {PROMPTS_FILE} (set QSPEC_PROMPTS)"
+    return [json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(autouse=True)
+def _restore_isa():
+    yield
+    _C.set_isa_limit(_C.isa_detected())
+
+
+_engines: dict = {}
+
+
+def engine_for(model_dir, fmt: str):
+    if fmt not in _engines:
+        _engines.clear()  # one draft format in memory at a time
+        _engines[fmt] = qspec.load(model_dir, draft=fmt)
+    return _engines[fmt]
+
+
+_plain_cache: dict = {}
+
+
+def plain_greedy(engine, prompt, n, isa):
+    key = (prompt, n, isa)
+    if key not in _plain_cache:
+        _plain_cache[key] = engine.generate(prompt, max_new_tokens=n, speculative=False).tokens
+    return _plain_cache[key]
+
+
+def check_lossless(engine, prompts, n, ks, isa):
+    _C.set_isa_limit(isa)
+    for prompt in prompts:
+        want = plain_greedy(engine, prompt, n, isa)
+        for k in ks:
+            got = engine.generate(prompt, max_new_tokens=n, draft_max=k)
+            assert got.tokens == want, f"isa={isa} draft={engine.draft.fmt} K={k}: {prompt!r} differs"
+            assert got.stats["drafted"] > 0
+
+
+# CI subset: every draft format and ISA level, a few prompts and K values.
+@pytest.mark.parametrize("fmt", DRAFT_FORMATS)
+def test_greedy_lossless_subset(default_model_dir, fmt):
+    eng = engine_for(default_model_dir, fmt)
+    prompts = dev_prompts()
+    check_lossless(eng, prompts[:3] + prompts[-2:], 48, [1, 3, 8, "auto"], ISA_LEVELS[-1])
+    for isa in ISA_LEVELS[:-1]:
+        check_lossless(eng, prompts[:1], 12, [2, 5], isa)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+@pytest.mark.parametrize("fmt", DRAFT_FORMATS)
+def test_greedy_lossless_all_prompts(default_model_dir, fmt, isa):
+    """The full matrix: 24 prompts x 128 tokens x K in {1, 2, 4, 8, auto} x format x ISA level."""
+    check_lossless(engine_for(default_model_dir, fmt), dev_prompts(), 128, [1, 2, 4, 8, "auto"], isa)
+
+
+def test_lossless_with_p_min_and_lm_head_draft(default_model_dir):
+    eng = qspec.load(default_model_dir, draft="mxfp4", draft_lm_head="mxfp4")
+    prompt = dev_prompts()[8]
+    want = eng.generate(prompt, max_new_tokens=48, speculative=False).tokens
+    for kw in (dict(draft_max=6, draft_p_min=0.6), dict(draft_max=8, draft_min=3, draft_p_min=0.9)):
+        r = eng.generate(prompt, max_new_tokens=48, **kw)
+        assert r.tokens == want, kw
+
+
+def test_one_shared_kv_cache(default_model_dir):
+    eng = engine_for(default_model_dir, "mxfp4")
+    be = eng.backend
+    kv_id = id(be.kv)
+    ids = eng.encode_prompt("Why is the sky blue?")
+    r = eng.generate(ids, max_new_tokens=40, draft_max=4)
+    assert id(be.kv) == kv_id
+    # committed = prompt + every emitted token but the last (which was never fed back)
+    assert be.kv.length == len(ids) + len(r.tokens) - 1
+    s = r.stats
+    assert 0 < s["accepted"] <= s["drafted"] and s["tokens_per_step"] >= 1
+    assert math.isclose(s["acceptance_rate"], s["accepted"] / s["drafted"])
+    # the draft adds only its packed MX weights (LM head shared): ~4.25/16 of the GEMM bytes
+    assert be.draft_bytes < 0.5 * be.target_bytes
+
+
+def test_speculative_sampling_is_seeded(default_model_dir):
+    eng = engine_for(default_model_dir, "mxfp4")
+    a = eng.generate("Tell me a story.", max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7)
+    b = eng.generate("Tell me a story.", max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7)
+    assert a.tokens == b.tokens and a.stats["drafted"] > 0
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    n = int(counts.sum())
+    keep = probs * n >= 5  # pool rare cells (chi-square validity)
+    obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)]).double()
+    exp = torch.cat([probs[keep], probs[~keep].sum(0, keepdim=True)]).double() * n
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def test_rejection_sampling_preserves_target_distribution():
+    """The accept/resample rule alone, with a draft q far from the target p (fixed seed)."""
+    V = 12
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(2, V, generator=g) * 2
+    q = torch.softmax(torch.randn(V, generator=g) * 2, -1)
+    params = SamplingParams(temperature=1.0, seed=1)
+    p = warp(p_logits[0], params)
+    gen = params.generator()
+    counts = torch.zeros(V)
+    n = 20000
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=gen))
+        a, nxt = _accept_sampled([x], [q], p_logits, params, gen)
+        counts[x if a == 1 else nxt] += 1
+    assert _chi2_pvalue(counts, p) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
+
+    cfg = synthetic_config("smollm2-135m", hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
+                           n_kv_heads=2, head_dim=16, vocab_size=16, max_seq_len=64)
+    return save_model_dir(tmp_path_factory.mktemp("tiny"), cfg, synthetic_weights(cfg, seed=3, scale=3.0))
+
+
+def test_speculative_sampling_matches_target_distribution(tiny_model):
+    """End to end on a tiny model: the 2nd new token's marginal equals the exact target marginal."""
+    params = dict(temperature=1.0, top_k=10)
+    eng = qspec.load(tiny_model, draft="mxfp4", draft_lm_head="mxfp4")
+    prompt = [1, 5, 7]
+    sp = SamplingParams(**params)
+    # exact: P(t2) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1), from target forwards
+    be = be_kv = eng.backend
+    be_kv.kv.reset()
+    be.kv.ensure_capacity(8)
+    p1 = warp(be.forward(prompt, 0)[-1], sp)
+    exact = torch.zeros(16)
+    for t1 in range(16):
+        if p1[t1] > 0:
+            p2 = warp(be.forward(prompt + [t1], 0)[-1], sp)
+            exact += p1[t1] * p2
+    counts = torch.zeros(16)
+    drafted = accepted = 0
+    for s in range(3000):
+        r = eng.generate(prompt, max_new_tokens=3, seed=s, draft_max=2, **params)
+        counts[r.tokens[1]] += 1
+        drafted += r.stats["drafted"]
+        accepted += r.stats["accepted"]
+    assert 0.05 < accepted / drafted < 0.95, "the draft should differ from the target here"
+    assert _chi2_pvalue(counts, exact) > 1e-3
