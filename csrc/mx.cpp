@@ -21,6 +21,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "cpu.h"
 #include "mx.h"
 
 namespace py = pybind11;
@@ -52,31 +53,21 @@ inline uint32_t shift_round_even(uint32_t m, int shift) {
   return q + ((rem > half || (rem == half && (q & 1))) ? 1 : 0);
 }
 
-struct CastParams {
-  WFormat f;
-  int bits, mbits, emax;
-  int emin;         // exponent of the smallest normal element: 1 - bias
-  int qmin;         // log2 of the subnormal spacing: emin - mbits
-  uint32_t maxmag;  // largest finite code magnitude
-  bool is_int;
-};
-
-CastParams cast_params(WFormat f) {
+MxCastConsts cast_consts(WFormat f) {
   const MxFormat& m = mx_format(f);
-  CastParams p;
-  p.f = f;
-  p.bits = m.bits;
-  p.mbits = m.mbits;
+  MxCastConsts p;
   p.emax = m.emax;
   p.emin = 1 - m.bias;
+  p.mbits = m.mbits;
   p.qmin = p.emin - m.mbits;
+  p.bits = m.bits;
   p.maxmag = uint32_t(max_code_magnitude(f));
   p.is_int = f == WFormat::mxint8;
   return p;
 }
 
 // One element: bits of V (finite) and the block's shared exponent -> canonical code.
-inline uint8_t cast_element(const CastParams& p, uint32_t vbits, int shared_exp) {
+inline uint8_t cast_element(const MxCastConsts& p, uint32_t vbits, int shared_exp) {
   const uint32_t a = vbits & 0x7FFFFFFFu;
   if (a == 0) return 0;
   const uint32_t sign = vbits >> 31;
@@ -109,7 +100,7 @@ inline uint8_t cast_element(const CastParams& p, uint32_t vbits, int shared_exp)
 }
 
 // One block of 32 (already zero-padded) -> 32 codes + its E8M0 scale.
-inline uint8_t cast_block(const CastParams& p, const uint32_t* vbits, uint8_t* codes) {
+inline uint8_t cast_block(const MxCastConsts& p, const uint32_t* vbits, uint8_t* codes) {
   uint32_t amax = 0;  // max |V| as bits: integer order == float order for non-negative values
   for (int i = 0; i < kMxBlock; ++i) {
     const uint32_t a = vbits[i] & 0x7FFFFFFFu;
@@ -130,12 +121,17 @@ inline uint8_t cast_block(const CastParams& p, const uint32_t* vbits, uint8_t* c
 
 void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,
                       uint8_t* scales) {
-  const CastParams p = cast_params(f);
+  const MxCastConsts p = cast_consts(f);
   const int64_t nblocks = (k + kMxBlock - 1) / kMxBlock;
   const int64_t kpad = nblocks * kMxBlock;
+  const bool avx2 = int(isa_selected()) >= int(Isa::avx2);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * k;
+    if (avx2) {
+      mx_quantize_row_avx2(xr, k, codes + r * kpad, scales + r * nblocks, p);
+      continue;
+    }
     for (int64_t b = 0; b < nblocks; ++b) {
       uint32_t vbits[kMxBlock] = {0};  // padding elements are +0
       const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);

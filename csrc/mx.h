@@ -89,6 +89,21 @@ inline float e8m0_to_float(uint8_t s) {
   return s == kE8M0Nan ? NAN : std::ldexp(1.0f, int(s) - kE8M0Bias);
 }
 
+// Per-format constants of the direct cast (built by csrc/mx.cpp, shared with its ISA variants).
+struct MxCastConsts {
+  int emax;         // emax_elem
+  int emin;         // exponent of the smallest normal element: 1 - bias
+  int mbits;
+  int qmin;         // log2 of the subnormal spacing: emin - mbits
+  int bits;
+  uint32_t maxmag;  // largest finite code magnitude (sign clear): max normal
+  bool is_int;      // INT8: value = code * 2^-6, two's complement
+};
+
+// One row of the cast, AVX2 (csrc/x86/mx_avx2.cpp); call only when isa_selected() >= avx2.
+void mx_quantize_row_avx2(const float* x, int64_t k, uint8_t* codes, uint8_t* scales,
+                          const MxCastConsts& c);
+
 // MX direct cast of fp32 rows x[rows, k] along k (csrc/mx.cpp): codes [rows, kpad] one canonical
 // code per byte, scales [rows, kpad/32] E8M0, kpad = ceil(k/32)*32. Throws for bf16.
 void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,

@@ -200,12 +200,13 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.float32, *, impl: str = "
 # here is exact (fp32 inputs times powers of two within range; frexp; round-half-even of values
 # with < 53 significant bits), so it is an oracle for the integer code in csrc/mx.cpp.
 
-_ROWS_PER_CHUNK = 1 << 14  # bounds the float64 temporaries of the reference
+_ELEMS_PER_CHUNK = 1 << 22  # bounds the float64 temporaries of the reference (~32 MB each)
 
 
 def _quantize_reference(x: torch.Tensor, f: MXFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 [R, K] -> (codes uint8 [R, Kpad], scales uint8 [R, Kpad/32])."""
-    chunks = [_quantize_reference_chunk(x[i : i + _ROWS_PER_CHUNK], f) for i in range(0, max(len(x), 1), _ROWS_PER_CHUNK)]
+    step = max(1, _ELEMS_PER_CHUNK // x.shape[1])
+    chunks = [_quantize_reference_chunk(x[i : i + step], f) for i in range(0, max(len(x), 1), step)]
     return torch.cat([c for c, _ in chunks]), torch.cat([s for _, s in chunks])
 
 

@@ -13,8 +13,28 @@ import torch
 from qspec import _C, mx
 
 FORMATS = list(mx.FORMATS)
-IMPLS = ["native", "reference"]
-SIGN_BIT = {name: 1 << (f.bits - 1) for name, f in mx.FORMATS.items()}
+# Native cast at every ISA level this CPU has that has its own path (scalar, avx2), + reference.
+NATIVE_LEVELS = [lv for lv in ("scalar", "avx2") if lv in _C.cpu_info()["isa_levels"]]
+IMPLS = [f"native:{lv}" for lv in NATIVE_LEVELS] + ["reference"]
+
+
+def quantize(x, fmt, impl="native"):
+    """mx.quantize with `impl` = "reference", "native" or "native:<isa level>"."""
+    if not impl.startswith("native:"):
+        return mx.quantize(x, fmt, impl=impl)
+    previous = _C.isa_selected()
+    _C.set_isa_limit(impl.split(":")[1])
+    try:
+        return mx.quantize(x, fmt, impl="native")
+    finally:
+        _C.set_isa_limit(previous)
+
+
+def assert_all_impls_agree(x, fmt):
+    ts = [quantize(x, fmt, impl) for impl in IMPLS]
+    for t in ts[1:]:
+        assert_same(ts[0], t)
+    return ts[0]
 
 
 def finite_codes(fmt):
@@ -84,29 +104,28 @@ def test_python_table_matches_native_decode(fmt):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("scale_exp", [-127, -60, -3, 0, 5, 90, 127 - 15])
-def test_every_code_round_trips(fmt, impl, scale_exp):
+def test_every_code_round_trips(fmt, impl):
     """A block holding every finite code value times X (with max normal present, so
-    shared_exp = scale_exp) quantizes to exactly those codes and dequantizes to those values."""
+    shared_exp = scale_exp) quantizes to exactly those codes and dequantizes to those values,
+    at scales across the E8M0 range."""
     f = mx.FORMATS[fmt]
-    if scale_exp + f.emax > 127 or f.max_normal * 2.0**scale_exp < 2.0**-126:
-        pytest.skip("max normal * X beyond FP32, or an FP32-subnormal block max (flushed)")
     pairs = finite_codes(fmt)
     rows = []
     for i in range(0, len(pairs), 31):
         chunk = pairs[i : i + 31] + [(None, f.max_normal)]  # max normal pins the shared exponent
         rows.append(chunk + [(0, 0.0)] * (32 - len(chunk)))
-    x = torch.tensor([[v * 2.0**scale_exp for _, v in r] for r in rows], dtype=torch.float64)
-    if scale_exp == -127:  # values below 2^-126 * ... must still be exact FP32 numbers
-        assert torch.equal(x.float().double(), x)
-    t = mx.quantize(x.float(), fmt, impl=impl)
-    assert (t.scales == scale_exp + 127).all()
-    for r, row in enumerate(rows):
-        for j, (c, _) in enumerate(row):
-            if c is not None:
-                assert t.codes[r, j].item() == c, (r, j, row[j])
-    for dimpl in IMPLS:
-        np.testing.assert_array_equal(mx.dequantize(t, impl=dimpl).double().numpy(), x.numpy())
+    want = torch.tensor([[-1 if c is None else c for c, _ in r] for r in rows])
+    for scale_exp in (-127, -120, -60, -3, 0, 5, 90, 127 - f.emax):
+        if f.max_normal * 2.0**scale_exp < 2.0**-126:
+            continue  # the block max would be an FP32 subnormal (flushed, tested below)
+        x = torch.tensor([[v * 2.0**scale_exp for _, v in r] for r in rows], dtype=torch.float64)
+        assert torch.equal(x.float().double(), x)  # every value is an exact FP32 number
+        t = quantize(x.float(), fmt, impl=impl)
+        assert (t.scales == scale_exp + 127).all()
+        known = want >= 0
+        assert torch.equal(t.codes.long()[known], want[known]), scale_exp
+        for dimpl in ("native", "reference"):
+            np.testing.assert_array_equal(mx.dequantize(t, impl=dimpl).double().numpy(), x.numpy())
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -114,7 +133,7 @@ def test_fp4_all_16_codes_several_scales(impl):
     values = [mx.element_value("mxfp4", c) for c in range(16)]
     for e in (-100, -1, 0, 1, 7, 100):
         x = block(values + [6.0]) * 2.0**e
-        t = mx.quantize(x, "mxfp4", impl=impl)
+        t = quantize(x, "mxfp4", impl=impl)
         assert t.scales.item() == 127 + e
         # Code 8 is -0: qspec encodes -0.0 as code 0.
         assert t.codes[:17].tolist() == list(range(8)) + [0] + list(range(9, 16)) + [7]
@@ -156,14 +175,14 @@ def test_ties_round_to_even(fmt, impl):
             want.append([c for _, c in chunk] + [None] * (32 - len(chunk)))
         x = torch.tensor(xs, dtype=torch.float64)
         assert torch.equal(x.float().double(), x)
-        t = mx.quantize(x.float(), fmt, impl=impl)
+        t = quantize(x.float(), fmt, impl=impl)
         assert (t.scales == 127 + scale_exp).all()
         for r, row in enumerate(want):
             for j, c in enumerate(row):
                 if c is not None:
                     assert t.codes[r, j].item() == c, (fmt, scale_exp, xs[r][j], c, t.codes[r, j].item())
         # Negative values mirror with the sign bit (INT8: two's complement).
-        tn = mx.quantize(-x.float(), fmt, impl=impl)
+        tn = quantize(-x.float(), fmt, impl=impl)
         assert torch.equal(mx.dequantize(tn), -mx.dequantize(t))
 
 
@@ -172,7 +191,7 @@ def test_fp4_ties_explicit(impl):
     # X = 1 (max 6 in the block): 0.25 -> 0 (even), 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2,
     # 2.5 -> 2, 3.5 -> 4, 5 -> 4 (even: code 6 vs 7), -2.5 -> -2.
     x = block([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -2.5, 6.0])
-    d = mx.dequantize(mx.quantize(x, "mxfp4", impl=impl))
+    d = mx.dequantize(quantize(x, "mxfp4", impl=impl))
     assert d[:9].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -2.0, 6.0]
 
 
@@ -184,7 +203,7 @@ def test_fp4_block_max_7_saturates_to_6(impl):
     """floor(log2 7) = 2, so X = 2^(2-2) = 1 and 7 / X = 7 > 6: saturates (MX.md)."""
     for e in (-20, 0, 33):
         x = block([7.0, -7.0, 7.9, 1.0]) * 2.0**e
-        t = mx.quantize(x, "mxfp4", impl=impl)
+        t = quantize(x, "mxfp4", impl=impl)
         assert t.scales.item() == 127 + e
         assert mx.dequantize(t)[:4].tolist() == [6.0 * 2.0**e, -6.0 * 2.0**e, 6.0 * 2.0**e, 1.0 * 2.0**e]
 
@@ -196,7 +215,7 @@ def test_saturation_every_format(fmt, impl):
     # The largest FP32 below 2^(emax+1): shared_exp stays 0 and it saturates to max normal.
     top = float(np.nextafter(np.float32(2.0 ** (f.emax + 1)), np.float32(0)))
     x = block([top, -top, f.max_normal, 1.0])
-    t = mx.quantize(x, fmt, impl=impl)
+    t = quantize(x, fmt, impl=impl)
     assert t.scales.item() == 127
     assert mx.dequantize(t)[:3].tolist() == [f.max_normal, -f.max_normal, f.max_normal]
     # Never a NaN/Inf code from finite input.
@@ -216,7 +235,7 @@ def test_zero_and_subnormal_blocks_flush(fmt, impl):
         block([1e-40, -3e-39, tiny]),  # FP32-subnormal max: flush (qspec)
         block([2.0**-126, 1e-40, -tiny]),  # smallest normal max: not flushed
     ])
-    t = mx.quantize(x, fmt, impl=impl)
+    t = quantize(x, fmt, impl=impl)
     assert t.scales[:3, 0].tolist() == [0, 0, 0]
     assert (t.codes[:3] == 0).all()
     assert t.scales[3, 0].item() == max(-126 - mx.FORMATS[fmt].emax, -127) + 127
@@ -234,7 +253,7 @@ def test_nan_inf_blocks(fmt, impl):
         block([3.0, 1.0]),  # an ordinary block in between
         block([6.0]),
     ]).reshape(1, -1)  # one row, 5 blocks
-    t = mx.quantize(x, fmt, impl=impl)
+    t = quantize(x, fmt, impl=impl)
     assert t.scales[0].tolist()[:3] == [0xFF, 0xFF, 0xFF]
     assert (t.codes[0, :96] == 0).all()  # qspec: codes of a NaN block are 0
     d = mx.dequantize(t)[0]
@@ -248,7 +267,7 @@ def test_negative_zero_is_code_zero(fmt, impl):
     f = mx.FORMATS[fmt]
     tiny = f.min_subnormal / 4  # rounds to zero under X = 1
     x = block([-0.0, -tiny, tiny, f.max_normal])
-    t = mx.quantize(x, fmt, impl=impl)
+    t = quantize(x, fmt, impl=impl)
     assert t.codes[:3].tolist() == [0, 0, 0]
     assert not torch.signbit(mx.dequantize(t)[:3]).any()
 
@@ -263,7 +282,7 @@ def test_scale_clamped_at_bottom(fmt, impl):
     elements then land in the element's low range/subnormals, exactly where representable."""
     f = mx.FORMATS[fmt]
     x = block([2.0**-126, 2.0**-127, 2.0**-130, 2.0**-140, -(2.0**-126)])
-    t = mx.quantize(x, fmt, impl=impl)
+    t = quantize(x, fmt, impl=impl)
     shared = max(-126 - f.emax, -127)
     assert t.scales.item() == shared + 127
     d = mx.dequantize(t).double()
@@ -283,7 +302,7 @@ def test_scale_at_top(fmt, impl):
     f = mx.FORMATS[fmt]
     big = float(np.finfo(np.float32).max)
     x = block([big, -big, 2.0**127])
-    t = mx.quantize(x, fmt, impl=impl)
+    t = quantize(x, fmt, impl=impl)
     assert t.scales.item() == 127 - f.emax + 127
     d = mx.dequantize(t).double()
     assert d[0].item() == min(f.max_normal * 2.0 ** (127 - f.emax), big) == -d[1].item()
@@ -306,9 +325,7 @@ def test_reference_nan_scale_above_range():
 def test_awkward_lengths(fmt, k):
     torch.manual_seed(k)
     x = torch.randn(3, 2, k) * 3
-    ts = [mx.quantize(x, fmt, impl=i) for i in IMPLS]
-    assert_same(*ts)
-    t = ts[0]
+    t = assert_all_impls_agree(x, fmt)
     kpad = -(-k // 32) * 32
     assert t.codes.shape == (3, 2, kpad) and t.scales.shape == (3, 2, kpad // 32)
     assert t.shape == x.shape and t.k == k
@@ -334,7 +351,7 @@ def test_native_equals_reference_wide_range(fmt):
     x[24, 7] = math.nan
     x[25, 100] = -math.inf
     x[26, ::5] = -0.0
-    assert_same(mx.quantize(x, fmt), mx.quantize(x, fmt, impl="reference"))
+    assert_all_impls_agree(x, fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -348,7 +365,7 @@ def test_native_equals_reference_adversarial_ties(fmt):
     vals[:, 0] = f.max_normal * torch.rand(256, generator=g).add(1.0).clamp(max=1.99)  # pins X
     e = torch.randint(-130, 127 - f.emax, (256, 1), generator=g).double()
     x = (vals * torch.pow(2.0, e)).float()
-    assert_same(mx.quantize(x, fmt), mx.quantize(x, fmt, impl="reference"))
+    assert_all_impls_agree(x, fmt)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -411,14 +428,49 @@ def test_bad_inputs_raise_value_error():
 # --- exhaustive (slow) ------------------------------------------------------------------------
 
 
+@pytest.fixture
+def slow_only(request):
+    """The slow sweeps run only when asked for (`-m slow`): the default run stays short."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("exhaustive sweep: run with -m slow")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_native_equals_reference_exhaustive(fmt):
-    """Every FP32 bit pattern with 12 random low mantissa bits fixed: all exponents x signs x
-    top mantissa bits, in blocks pinned to every shared exponent."""
+def test_native_equals_reference_every_fp32_pattern(fmt, slow_only):
+    """All 2^24 top-24-bit FP32 patterns (sign, exponent, 15 mantissa bits; random low 8 bits,
+    so NaN, Inf, subnormals, zeros included), shuffled into blocks."""
     g = torch.Generator().manual_seed(99)
-    bits = torch.arange(0, 1 << 20, dtype=torch.int64) << 12
-    bits |= torch.randint(0, 1 << 12, bits.shape, generator=g)
+    bits = torch.arange(0, 1 << 24, dtype=torch.int64) << 8
+    bits |= torch.randint(0, 1 << 8, bits.shape, generator=g)
     x = bits.to(torch.int32).view(torch.float32)
-    x = x[torch.randperm(len(x), generator=g)].reshape(-1, 32 * 8)
-    assert_same(mx.quantize(x, fmt), mx.quantize(x, fmt, impl="reference"))
+    x = x[torch.randperm(len(x), generator=g)].reshape(-1, 32 * 64)
+    assert_all_impls_agree(x, fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_equals_reference_every_relative_value(fmt, slow_only):
+    """Within a block pinned to each shared exponent (block max = 2^(emax+1) - ulp), every
+    element exponent from the max down to below the element's subnormals, every top 16
+    mantissa bits, both signs: exercises every rounding position of every binade."""
+    f = mx.FORMATS[fmt]
+    g = torch.Generator().manual_seed(5)
+    top = float(np.nextafter(np.float32(2.0 ** (f.emax + 1)), np.float32(0)))
+    mant = (torch.arange(0, 1 << 16, dtype=torch.int64) << 7) | torch.randint(0, 1 << 7, (1 << 16,), generator=g)
+    for shared_exp in (-127, -120, -60, 0, 60, 127 - f.emax):
+        rows = []
+        for e in range(f.emax, f.emin - f.mbits - 4, -1):
+            efield = e + shared_exp + 127
+            if efield < 1:
+                continue
+            vals = ((efield << 23) | mant).to(torch.int32).view(torch.float32)
+            vals = torch.cat([vals, vals[:31 - len(vals) % 31]]).reshape(-1, 31)
+            vals = torch.cat([vals, -vals], 0)
+            pin = torch.full((len(vals), 1), top * 2.0**shared_exp)
+            rows.append(torch.cat([pin, vals], 1))
+        if not rows:
+            continue  # every element would be an FP32 subnormal
+        x = torch.cat(rows, 0)
+        t = assert_all_impls_agree(x, fmt)
+        assert (t.scales == shared_exp + 127).all() if top * 2.0**shared_exp >= 2.0**-126 else True
