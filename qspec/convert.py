@@ -1,6 +1,6 @@
 """Import a GGUF file (llama.cpp) as a Hugging Face style directory of BF16 safetensors.
 
-`qspec convert MODEL.gguf OUT_DIR` calls `convert_gguf`. The output is what qspec (and
+`qspec convert MODEL.gguf OUT_DIR` (qspec/cli.py) calls `convert_gguf`. The output is what qspec (and
 transformers) load: config.json, model.safetensors (sharded above 4 GB), tokenizer.json,
 tokenizer_config.json, generation_config.json.
 
@@ -123,7 +123,7 @@ def _open_gguf(path: Path):
         raise
     except (ValueError, struct.error, IndexError, KeyError, TypeError, OverflowError, EOFError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelLoadError(f"{path.name} is not a valid GGUF file ({msg})") from None
+        raise ModelLoadError(f"{path.name} is not a valid GGUF file or is truncated ({msg})") from None
     except OSError as e:
         raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from None
     return reader
@@ -365,6 +365,7 @@ def _write_weights(src: _Source, plan, out: Path, progress: bool) -> None:
                 weight_map[name] = file
                 bar.update(1)
             save_file(tensors, str(out / file), metadata={"format": "pt"})
+            os.chmod(out / file, 0o644)  # safetensors creates it 0600; the cache may be shared
             del tensors
     if len(shards) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
@@ -550,18 +551,3 @@ def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
         raise
     shutil.rmtree(old, ignore_errors=True)
 
-
-def add_convert_parser(subparsers) -> None:
-    """Register `qspec convert MODEL.gguf OUT_DIR` on an argparse subparsers object."""
-    p = subparsers.add_parser("convert", help="import a GGUF file as a BF16 safetensors directory")
-    p.add_argument("gguf", help="path of the .gguf file")
-    p.add_argument("out_dir", help="output directory (must not exist or be empty)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    p.set_defaults(func=run_convert)
-
-
-def run_convert(args) -> int:
-    """CLI body; ModelLoadError propagates for the CLI to print as one line."""
-    out = convert_gguf(args.gguf, args.out_dir, overwrite=getattr(args, "overwrite", False))
-    print(f"converted {args.gguf} -> {out}")
-    return 0
