@@ -149,15 +149,16 @@ void mx_dequantize_rows(WFormat f, const uint8_t* codes, const uint8_t* scales, 
   const int64_t kpad = nblocks * kMxBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < k; ++j) {
-      const uint8_t s = scales[r * nblocks + j / kMxBlock];
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t s = scales[r * nblocks + b];
       // Exact: every element value times a power of two in [2^-127, 2^127] is an FP32 number
-      // (or overflows to Inf for codes the cast never produces); double avoids relying on
-      // FP32-subnormal arithmetic for the 2^-127 scale.
-      const double x = s == kE8M0Nan ? double(NAN)
-                                     : double(table[codes[r * kpad + j]]) *
-                                           std::ldexp(1.0, int(s) - kE8M0Bias);
-      out[r * k + j] = float(x);
+      // (or overflows to Inf for codes the cast never produces); the product is formed in
+      // double so the 2^-127 scale is never an FP32-subnormal operand (DAZ would zero it).
+      const double x = s == kE8M0Nan ? double(NAN) : std::ldexp(1.0, int(s) - kE8M0Bias);
+      const uint8_t* c = codes + r * kpad + b * kMxBlock;
+      float* o = out + r * k + b * kMxBlock;
+      const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);
+      for (int64_t j = 0; j < n; ++j) o[j] = float(double(table[c[j]]) * x);
     }
   }
 }
