@@ -70,8 +70,6 @@ def _is_current(model_dir: Path, gguf: Path) -> bool:
 
 def default_model_dir(*, progress: bool = True) -> Path:
     """Converted HF directory of the default model, converting the wheel's GGUF on first use."""
-    from qspec.convert import convert_gguf
-
     gguf = default_model_gguf()
     model_dir = cache_root() / DEFAULT_MODEL_NAME
     if _is_current(model_dir, gguf):
@@ -84,5 +82,7 @@ def default_model_dir(*, progress: bool = True) -> Path:
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting right now
         if not _is_current(model_dir, gguf):
+            from qspec.convert import convert_gguf  # numpy/gguf/tokenizers only when needed
+
             convert_gguf(gguf, model_dir, progress=progress, overwrite=True)
     return model_dir

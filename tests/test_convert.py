@@ -457,3 +457,24 @@ def test_tiny_model_matches_transformers_gguf_loader(tmp_path, arch, hf_class):
     x = torch.tensor([ids])
     with torch.no_grad():
         assert (ours(x).logits - reference.eval()(x).logits).abs().max().item() <= LOGITS_ATOL_SAME_WEIGHTS
+
+
+@pytest.mark.parametrize("factor,low,high,orig", [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192)])
+def test_llama3_rope_scaling_recovered_from_rope_freqs(factor, low, high, orig):
+    """llama.cpp stores Llama 3.1/3.2 RoPE scaling only as per-frequency divisors (rope_freqs);
+    the parameters we recover must make transformers compute the same frequencies."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from qspec.convert import _llama3_scaling_from_factors
+
+    theta, head_dim = 500000.0, 128
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+               "high_freq_factor": high, "original_max_position_embeddings": orig}
+    config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=head_dim,
+                                      max_position_embeddings=131072, rope_theta=theta,
+                                      rope_scaling=dict(scaling))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    rope_freqs = (base / scaled.double()).float().numpy()  # what llama.cpp writes
+    assert _llama3_scaling_from_factors(rope_freqs, head_dim, theta) == scaling
