@@ -2,12 +2,15 @@
 // and Python bindings. The fast kernels are in csrc/x86/attention_{avx2,avx512}.cpp.
 //
 // Every path computes one (row, head) output with the same three passes over keys 0..p,
-// p = start_pos + i (causal by construction: nothing beyond p is ever read):
+// p = start_pos + i (causal by construction: nothing beyond p is ever read for that row, and
+// nothing beyond the last row's position for the call):
 //   1. s_j = scale · q·K_j          (into per-thread scratch)
 //   2. e_j = exp(s_j - max_j s_j),  sum = Σ e_j
 //   3. out = (Σ e_j · V_j) / sum
 // The order of every reduction depends only on p, so row i is bit-identical for any m, any
-// content of the other rows and any thread count (DESIGN.md invariant 2).
+// content of the other rows and any thread count (DESIGN.md invariant 2). The fast paths run
+// the passes for all (row, head) pairs of one KV head together, block by block, so each K/V block
+// is read and converted once per call rather than once per pair (see attention.h).
 #include "attention.h"
 
 #include <omp.h>
@@ -93,14 +96,9 @@ AttnPath attn_choose(const AttnArgs& a) {
   return AttnPath::ref;
 }
 
-void attention_path(AttnPath p, const AttnArgs& a) {
-  if (!attn_supports(p, a))
-    throw std::invalid_argument(std::string("attention path '") + attn_path_name(p) +
-                                "' is not supported on this CPU / ISA level / head_dim");
-  if (a.m <= 0) return;
-  AttnRowHeadFn fn = p == AttnPath::avx512 ? attn_row_head_avx512
-                     : p == AttnPath::avx2 ? attn_row_head_avx2
-                                           : attn_row_head_ref;
+namespace {
+
+void run_ref(const AttnArgs& a) {
   const int64_t units = a.m * a.n_heads;
   const int64_t max_keys = a.start_pos + a.m;  // longest row: p = start_pos + m - 1
 #pragma omp parallel
@@ -110,7 +108,48 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     thread_local std::vector<float> scratch;
     if (int64_t(scratch.size()) < max_keys + 16) scratch.resize(max_keys + 16);
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; ++u) fn(a, u / a.n_heads, u % a.n_heads, scratch.data());
+    for (int64_t u = 0; u < units; ++u)
+      attn_row_head_ref(a, u / a.n_heads, u % a.n_heads, scratch.data());
+  }
+}
+
+// Fast paths: work units are (KV head, contiguous range of its m·G pairs). Each unit streams the
+// K/V of its KV head once for all its pairs. How pairs are grouped into units (it follows m and
+// the thread count, for load balance) never changes a pair's arithmetic (see attention.h).
+void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
+  const int64_t group = a.n_heads / a.kv.kv_heads;
+  const int64_t pairs = a.m * group;  // per KV head
+  const int64_t nt = omp_get_max_threads();
+  // One chunk per KV head when single-threaded (K/V read once); otherwise enough chunks for
+  // about 4 units per thread (splitting costs one more BF16->FP32 conversion of the K/V blocks).
+  int64_t chunks = nt <= 1 ? 1 : (4 * nt + a.kv.kv_heads - 1) / a.kv.kv_heads;
+  if (chunks > pairs) chunks = pairs;
+  const int64_t units = a.kv.kv_heads * chunks;
+  if (nt <= 1 || units == 1) {
+    for (int64_t w = 0; w < units; ++w) {
+      const int64_t c = w % chunks;
+      fn(a, w / chunks, c * pairs / chunks, (c + 1) * pairs / chunks);
+    }
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t w = 0; w < units; ++w) {
+    const int64_t c = w % chunks;
+    fn(a, w / chunks, c * pairs / chunks, (c + 1) * pairs / chunks);
+  }
+}
+
+}  // namespace
+
+void attention_path(AttnPath p, const AttnArgs& a) {
+  if (!attn_supports(p, a))
+    throw std::invalid_argument(std::string("attention path '") + attn_path_name(p) +
+                                "' is not supported on this CPU / ISA level / head_dim");
+  if (a.m <= 0) return;
+  switch (p) {
+    case AttnPath::ref: run_ref(a); break;
+    case AttnPath::avx2: run_grouped(attn_group_avx2, a); break;
+    case AttnPath::avx512: run_grouped(attn_group_avx512, a); break;
   }
 }
 

@@ -42,14 +42,27 @@ AttnPath attn_choose(const AttnArgs& a);  // by isa_selected(); never changes wi
 void attention(const AttnArgs& a);         // dispatches
 void attention_path(AttnPath p, const AttnArgs& a);  // throws std::invalid_argument if unsupported
 
-// Per-path kernels for ONE (query row i, head h): out[i, h, :] from keys 0 .. start_pos + i,
+// Scalar reference kernel for ONE (query row i, head h): out[i, h, :] from keys 0 .. start_pos + i,
 // sequentially in a fixed order that depends only on start_pos + i. `scratch` holds at least
-// start_pos + i + 1 floats (per-thread, owned by the driver). The driver in attention.cpp
-// splits (row, head) pairs over OpenMP threads; each pair is computed by exactly one thread.
-// The _avx2 / _avx512 kernels live in csrc/x86 and may only run when attn_supports() says so.
+// start_pos + i + 1 floats (per-thread, owned by the driver). The driver splits (row, head) pairs
+// over OpenMP threads for this path.
 using AttnRowHeadFn = void (*)(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
-void attn_row_head_avx2(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
-void attn_row_head_avx512(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
+
+// Fast-path kernels (csrc/x86; may only run when attn_supports() says so) work on ONE KV head
+// for several (row, head) pairs at once, so that the K/V of that head is streamed once per call
+// instead of once per pair. With G = n_heads / kv_heads, the pairs of KV head `kvh` are numbered
+// u = row · G + g (row-major), u in [0, m · G), and pair u is (row u / G, head kvh · G + u % G).
+// One call computes pairs [u_begin, u_end) of that KV head.
+//
+// Batch invariance: the arithmetic of one pair (score FMAs over head_dim, the horizontal-sum
+// tree, max, exp and Σ order, the V accumulation order, the final scaling) depends only on that
+// pair's q and its position p = start_pos + row, never on which other pairs share the call. The
+// K/V blocks are converted BF16 -> FP32 exactly, in blocks whose boundaries are multiples of 8
+// counted from key 0, and each pair only ever uses keys 0..p of them. So the driver may group
+// pairs into calls however it likes (by m and thread count) without changing a single bit.
+using AttnGroupFn = void (*)(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end);
+void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end);
+void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end);
 
 }  // namespace qspec

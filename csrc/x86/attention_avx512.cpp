@@ -1,15 +1,23 @@
-// AVX-512F attention for one (row, head); head_dim a multiple of 8. Same three passes and the
-// same batch-invariance argument as attention_avx2.cpp (see attention.cpp): every loop runs over
-// keys 0..p in a fixed order with block boundaries counted from key 0, so the instruction
-// sequence for a row depends only on its own position p.
+// AVX-512F attention: one call computes several (row, head) pairs of ONE KV head (see
+// attention.h), head_dim a multiple of 8. It mirrors attention_avx2.cpp step for step (read that
+// file's header for the batch-invariance argument); per pair:
+//   1. scores: keys in blocks of 8 counted from key 0; per key one FMA chain over head_dim in
+//      chunks of 16 (then 8 with zero upper lanes if head_dim % 16 == 8), each key's 16 lanes
+//      folded to 8 and the 8 keys reduced by one fixed hadd tree, · scale;
+//   2. exp(s - max) with Σ as 16 lane-wise partial sums over blocks from key 0, then one
+//      horizontal reduction;
+//   3. per output column one FMA chain over keys 0..p in order, then · (1/Σ).
+// K and V are streamed in super-blocks (multiple of 8 keys, ~16 KB FP32) converted once (exact)
+// and shared by all pairs of the call; each pair uses only keys 0..p of them.
 //
 // UNTESTED on hardware so far: it was written on an AVX2-only machine (the dispatcher cannot
-// select it there). tests/test_attention.py runs it against the float64 oracle wherever the
-// CPU probe reports AVX-512.
+// select it there). tests/test_attention.py runs it against the float64 oracle and for bit-exact
+// batch invariance wherever the CPU probe reports AVX-512.
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "attention.h"
 
@@ -73,45 +81,72 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Pass 1: scores[j] = scale · q·K_j for j in [0, n); returns the max. Keys in blocks of 8
-// (missing accumulators of a short last block stay zero; keys >= n are never read); head_dim
-// in chunks of 16, then 8 if head_dim % 16 == 8 (q lanes 8..15 zero there).
-float scores_pass(const float* q, const uint16_t* k0, int64_t kstride, int64_t hd, int64_t n,
-                  float scale, float* scores) {
-  const __m256 vscale = _mm256_set1_ps(scale);
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
+// Per-thread scratch, 64-byte aligned, grows to the largest call seen and is then reused.
+float* scratch_floats(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+}
+
+inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
+
+// dst[t · hd + d] = src key t (t < nk), exact BF16 -> FP32; keys nk .. nk_pad - 1 zeroed.
+void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t nk_pad, int64_t hd,
+                   float* dst) {
   const int64_t hd16 = hd & ~int64_t(15);
-  const __m512 q_tail = hd16 < hd ? _mm512_maskz_loadu_ps(0x00FF, q + hd16) : _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const int nk = n - j0 < 8 ? int(n - j0) : 8;
-    __m512 acc[8];
-    for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
-    const uint16_t* kb = k0 + j0 * kstride;
-    for (int64_t d = 0; d < hd16; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      for (int t = 0; t < nk; ++t)
-        acc[t] = _mm512_fmadd_ps(qv, load_bf16x16(kb + t * kstride + d), acc[t]);
-    }
+  for (int64_t t = 0; t < nk; ++t) {
+    for (int64_t d = 0; d < hd16; d += 16)
+      _mm512_storeu_ps(dst + t * hd + d, load_bf16x16(src + t * stride + d));
     if (hd16 < hd)
-      for (int t = 0; t < nk; ++t)
-        acc[t] = _mm512_fmadd_ps(q_tail, load_bf16x8_lo(kb + t * kstride + hd16), acc[t]);
-    const __m256 s = _mm256_mul_ps(hsum8x8(acc), vscale);
+      _mm256_storeu_ps(dst + t * hd + hd16, _mm512_castps512_ps256(load_bf16x8_lo(src + t * stride + hd16)));
+  }
+  for (int64_t t = nk; t < nk_pad; ++t)
+    for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(dst + t * hd + d, _mm256_setzero_ps());
+}
+
+// Scores of 8 consecutive keys (FP32 rows kb[t · hd ..]); lane t = q·K_t before scaling.
+template <int HD>
+inline __m256 dot8(const float* q, const float* kb, int64_t hd_rt) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
+  const int64_t hd16 = hd & ~int64_t(15);
+  __m512 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < hd16; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + d), acc[t]);
+  }
+  if (hd16 < hd) {  // q and K lanes 8..15 zero, as in the single-pair kernel's tail
+    const __m512 q_tail = _mm512_maskz_loadu_ps(0x00FF, q + hd16);
+    for (int t = 0; t < 8; ++t)
+      acc[t] = _mm512_fmadd_ps(q_tail, _mm512_maskz_loadu_ps(0x00FF, kb + t * hd + hd16), acc[t]);
+  }
+  return hsum8x8(acc);
+}
+
+// Pass 1 for one pair over keys [b0, e) of the current K super-block (kbuf row 0 = key b0).
+template <int HD>
+void scores_block(const float* q, const float* kbuf, int64_t hd, int64_t b0, int64_t e,
+                  int64_t n, __m256 vscale, float* sc, __m256* vmax_io) {
+  __m256 vmax = *vmax_io;
+  for (int64_t j0 = b0; j0 < e; j0 += 8) {
+    const __m256 s = _mm256_mul_ps(dot8<HD>(q, kbuf + (j0 - b0) * hd, hd), vscale);
+    const int64_t nk = n - j0 < 8 ? n - j0 : 8;
     if (nk == 8) {
-      _mm256_storeu_ps(scores + j0, s);
+      _mm256_storeu_ps(sc + j0, s);
       vmax = _mm256_max_ps(vmax, s);
     } else {
       alignas(32) float tmp[8];
       _mm256_store_ps(tmp, s);
-      for (int t = 0; t < nk; ++t) scores[j0 + t] = tmp[t];
-      for (int t = nk; t < 8; ++t) tmp[t] = -INFINITY;
+      for (int t = 0; t < nk; ++t) sc[j0 + t] = tmp[t];
+      for (int t = int(nk); t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
       vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
     }
   }
-  return hmax8(vmax);
+  *vmax_io = vmax;
 }
 
-// Pass 2: scores[j] = exp(scores[j] - max) in place; Σ in a fixed order (16 lane-wise partial
-// sums over blocks from key 0, then one horizontal reduction).
+// Pass 2: scores[j] = exp(scores[j] - max) in place for j < n; Σ in a fixed order.
 float exp_pass(float* scores, int64_t n, float max_s) {
   const __m512 vmax = _mm512_set1_ps(max_s);
   __m512 vsum = _mm512_setzero_ps();
@@ -125,50 +160,117 @@ float exp_pass(float* scores, int64_t n, float max_s) {
   return _mm512_reduce_add_ps(vsum);
 }
 
-// Pass 3 over NC·16 output columns: one accumulator per column, keys in order 0..n-1.
+// Pass 3 for NC·16 columns of one pair over keys [b0, e) of the current V super-block; running
+// sums in accp between super-blocks (one FMA chain per column over keys 0..p).
 template <int NC>
-void weighted_v(const float* w, const uint16_t* v0, int64_t vstride, int64_t n, float inv_sum,
-                float* out) {
+inline void v_block(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
+                    float* accp) {
   __m512 acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(accp + c * 16);
+  for (int64_t j = b0; j < e; ++j) {
     const __m512 wj = _mm512_set1_ps(w[j]);
-    const uint16_t* vj = v0 + j * vstride;
-    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(wj, load_bf16x16(vj + c * 16), acc[c]);
+    const float* vj = vbuf + (j - b0) * hd;
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + c * 16), acc[c]);
   }
-  const __m512 vinv = _mm512_set1_ps(inv_sum);
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + c * 16, _mm512_mul_ps(acc[c], vinv));
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(accp + c * 16, acc[c]);
 }
 
-// The last 8 columns when head_dim % 16 == 8.
-void weighted_v8(const float* w, const uint16_t* v0, int64_t vstride, int64_t n, float inv_sum,
-                 float* out) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j)
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), load_bf16x8_lo(v0 + j * vstride), acc);
-  _mm512_mask_storeu_ps(out, 0x00FF, _mm512_mul_ps(acc, _mm512_set1_ps(inv_sum)));
+// The last 8 columns when head_dim % 16 == 8 (lanes 8..15 zero).
+inline void v_block8(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
+                     float* accp) {
+  __m512 acc = _mm512_maskz_loadu_ps(0x00FF, accp);
+  for (int64_t j = b0; j < e; ++j)
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_maskz_loadu_ps(0x00FF, vbuf + (j - b0) * hd),
+                          acc);
+  _mm512_mask_storeu_ps(accp, 0x00FF, acc);
+}
+
+template <int HD>
+void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
+  const int64_t hd = HD > 0 ? HD : a.kv.head_dim;
+  const int64_t G = a.n_heads / a.kv.kv_heads;
+  const int64_t np = u1 - u0;
+  if (np <= 0) return;
+  const int64_t stride = a.kv.row_elems();
+  const int64_t n_max = a.start_pos + (u1 - 1) / G + 1;  // keys 0 .. last row's position
+  const int64_t sc_stride = round8(n_max) + 16;
+  int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: ~16 KB of FP32
+  if (kb < 8) kb = 8;
+
+  // Scratch: K/V super-block | scores per pair | V accumulators per pair | running max per pair.
+  float* buf = scratch_floats(kb * hd + np * sc_stride + np * hd + np * 8 + 64);
+  float* kvbuf = buf;
+  float* scores = kvbuf + kb * hd;
+  float* accs = scores + np * sc_stride;
+  float* vmaxs = accs + np * hd;
+
+  auto row_of = [&](int64_t u) { return (u0 + u) / G; };
+  auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
+  auto n_of = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };
+
+  const __m256 vscale = _mm256_set1_ps(a.scale);
+  for (int64_t u = 0; u < np; ++u) _mm256_storeu_ps(vmaxs + u * 8, _mm256_set1_ps(-INFINITY));
+
+  // Pass 1: stream K once.
+  const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
+  for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
+    const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
+    convert_block(k0 + b0 * stride, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
+    for (int64_t u = 0; u < np; ++u) {
+      const int64_t n = n_of(u);
+      const int64_t e = b1 < n ? b1 : n;
+      if (e <= b0) continue;
+      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
+      scores_block<HD>(q, kvbuf, hd, b0, e, n, vscale, scores + u * sc_stride, &vmax);
+      _mm256_storeu_ps(vmaxs + u * 8, vmax);
+    }
+  }
+
+  // Pass 2: per pair, over its own keys only.
+  float* inv_sums = vmaxs;  // lane 0 of each pair's slot, after its max is read
+  for (int64_t u = 0; u < np; ++u) {
+    const float max_s = hmax8(_mm256_loadu_ps(vmaxs + u * 8));
+    inv_sums[u * 8] = 1.f / exp_pass(scores + u * sc_stride, n_of(u), max_s);
+  }
+
+  // Pass 3: stream V once.
+  for (int64_t x = 0; x < np * hd; x += 8) _mm256_storeu_ps(accs + x, _mm256_setzero_ps());
+  const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
+  for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
+    const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
+    convert_block(v0 + b0 * stride, stride, b1 - b0, b1 - b0, hd, kvbuf);
+    for (int64_t u = 0; u < np; ++u) {
+      const int64_t n = n_of(u);
+      const int64_t e = b1 < n ? b1 : n;
+      if (e <= b0) continue;
+      const float* w = scores + u * sc_stride;
+      float* accp = accs + u * hd;
+      int64_t d = 0;
+      for (; d + 128 <= hd; d += 128) v_block<8>(w, kvbuf + d, hd, b0, e, accp + d);
+      if (d + 64 <= hd) v_block<4>(w, kvbuf + d, hd, b0, e, accp + d), d += 64;
+      if (d + 32 <= hd) v_block<2>(w, kvbuf + d, hd, b0, e, accp + d), d += 32;
+      if (d + 16 <= hd) v_block<1>(w, kvbuf + d, hd, b0, e, accp + d), d += 16;
+      if (d + 8 <= hd) v_block8(w, kvbuf + d, hd, b0, e, accp + d);
+    }
+  }
+
+  for (int64_t u = 0; u < np; ++u) {
+    const __m256 vinv = _mm256_set1_ps(inv_sums[u * 8]);
+    float* out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
+    for (int64_t d = 0; d < hd; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(accs + u * hd + d), vinv));
+  }
 }
 
 }  // namespace
 
-void attn_row_head_avx512(const AttnArgs& a, int64_t i, int64_t h, float* scratch) {
-  const int64_t hd = a.kv.head_dim;
-  const int64_t kvh = h / (a.n_heads / a.kv.kv_heads);
-  const int64_t n = a.start_pos + i + 1;  // keys 0..p
-  const int64_t stride = a.kv.row_elems();
-  const float* q = a.q + (i * a.n_heads + h) * hd;
-  float* out = a.out + (i * a.n_heads + h) * hd;
-  const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
-  const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
-
-  const float max_s = scores_pass(q, k0, stride, hd, n, a.scale, scratch);
-  const float inv_sum = 1.f / exp_pass(scratch, n, max_s);
-  int64_t d = 0;
-  for (; d + 128 <= hd; d += 128) weighted_v<8>(scratch, v0 + d, stride, n, inv_sum, out + d);
-  if (d + 64 <= hd) weighted_v<4>(scratch, v0 + d, stride, n, inv_sum, out + d), d += 64;
-  if (d + 32 <= hd) weighted_v<2>(scratch, v0 + d, stride, n, inv_sum, out + d), d += 32;
-  if (d + 16 <= hd) weighted_v<1>(scratch, v0 + d, stride, n, inv_sum, out + d), d += 16;
-  if (d + 8 <= hd) weighted_v8(scratch, v0 + d, stride, n, inv_sum, out + d);
+void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end) {
+  switch (a.kv.head_dim) {
+    case 64: group_impl<64>(a, kvh, u_begin, u_end); break;
+    case 128: group_impl<128>(a, kvh, u_begin, u_end); break;
+    default: group_impl<0>(a, kvh, u_begin, u_end); break;
+  }
 }
 
 }  // namespace qspec
