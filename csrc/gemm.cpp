@@ -1,4 +1,610 @@
+// GEMM y[M,N] = x[M,K] · W[N,K]^T: packing (once, at load), the scalar reference path,
+// the dispatcher, the OpenMP driver (threads split row blocks of N only) and the bindings.
+// Layouts and the arithmetic every path performs are described in gemm.h.
+#include "gemm.h"
+
+#include <emmintrin.h>  // SSE2 (x86-64 baseline): the read-bandwidth probe
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+
 #include "bindings.h"
+#include "gemm_internal.h"
+
 namespace qspec {
-void bind_gemm(pybind11::module_& m) {}  // placeholder until the subsystem lands
+
+using detail::GemmArgs;
+using detail::kKBlk;
+using detail::kRows;
+
+// ---------------------------------------------------------------------------------------------
+// PackedWeight
+
+const uint8_t* PackedWeight::buf(const std::string& name) const {
+  auto it = buffers.find(name);
+  if (it == buffers.end()) throw std::invalid_argument("packed weight has no buffer '" + name + "'");
+  return it->second.first;
+}
+
+size_t PackedWeight::nbytes() const {
+  size_t s = 0;
+  for (const auto& kv : buffers) s += kv.second.second;
+  return s;
+}
+
+std::vector<std::pair<std::string, size_t>> packed_buffer_sizes(WFormat fmt, int64_t n, int64_t k) {
+  if (n < 1 || k < 1) throw std::invalid_argument("weight shape must be at least [1, 1]");
+  const size_t np = size_t((n + kRows - 1) / kRows * kRows);
+  const size_t kp = size_t((k + kKBlk - 1) / kKBlk * kKBlk);
+  switch (fmt) {
+    case WFormat::bf16: return {{"data", np * kp * 2}};
+    case WFormat::mxfp4: return {{"data", np * kp / 2}, {"scales", np * kp / kKBlk}};
+    default: return {{"data", np * kp}, {"scales", np * kp / kKBlk}};
+  }
+}
+
+namespace {
+
+int64_t rup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+std::shared_ptr<PackedWeight> new_packed(WFormat fmt, int64_t n, int64_t k) {
+  auto pw = std::make_shared<PackedWeight>();
+  pw->fmt = fmt;
+  pw->n = n;
+  pw->k = k;
+  for (const auto& [name, size] : packed_buffer_sizes(fmt, n, k)) {
+    pw->storage.emplace_back(size, uint8_t(0));
+    pw->buffers[name] = {pw->storage.back().data(), size};
+  }
+  return pw;
+}
+
+int decode_kind(WFormat f) {
+  switch (f) {
+    case WFormat::bf16: return detail::kBf16;
+    case WFormat::mxfp4: return detail::kQ4;
+    case WFormat::mxfp8_e5m2:
+    case WFormat::mxfp6_e3m2: return detail::kF16Shl;
+    case WFormat::mxfp8_e4m3:
+    case WFormat::mxfp6_e2m3: return detail::kF16Sra;
+    case WFormat::mxint8: return detail::kI8;
+  }
+  throw std::invalid_argument("unknown weight format");
+}
+
+// Element value = decoded * elem_factor: the fp16 re-encodings carry 2^(bias-15).
+float elem_factor(WFormat f) {
+  switch (decode_kind(f)) {
+    case detail::kF16Shl:
+    case detail::kF16Sra: return std::ldexp(1.0f, 15 - mx_format(f).bias);
+    case detail::kI8: return 1.0f / 64.0f;
+    default: return 1.0f;
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<PackedWeight> pack_bf16(const uint16_t* w, int64_t n, int64_t k) {
+  auto pw = new_packed(WFormat::bf16, n, k);
+  const int64_t kp = pw->k_padded(), nblk = pw->n_padded() / kRows;
+  uint16_t* d = reinterpret_cast<uint16_t*>(pw->storage[0].data());
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < nblk; ++nb)
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t row = nb * kRows + r;
+      if (row >= n) break;
+      for (int64_t c = 0; c < k; ++c)
+        d[(nb * (kp / 2) + c / 2) * 32 + r * 2 + (c & 1)] = w[row * k + c];
+    }
+  return pw;
+}
+
+std::shared_ptr<PackedWeight> pack_mx(WFormat fmt, const uint8_t* codes, const uint8_t* scales,
+                                      int64_t n, int64_t k) {
+  if (fmt == WFormat::bf16) throw std::invalid_argument("pack_mx: bf16 is not an MX format");
+  const MxFormat& f = mx_format(fmt);
+  auto pw = new_packed(fmt, n, k);
+  const int64_t kp = pw->k_padded(), nblk = pw->n_padded() / kRows, kb = kp / kKBlk;
+  const unsigned limit = 1u << f.bits;
+  for (int64_t row = 0; row < n; ++row)
+    for (int64_t c = 0; c < k; ++c)
+      if (codes[row * kp + c] >= limit)
+        throw std::invalid_argument(std::string("pack_mx: code out of range for ") + f.name +
+                                    " at [" + std::to_string(row) + ", " + std::to_string(c) + "]");
+  uint8_t* d = pw->storage[0].data();
+  uint8_t* s = pw->storage[1].data();
+  const bool fp6 = f.bits == 6;
+  const bool e4m3 = fmt == WFormat::mxfp8_e4m3;
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < nblk; ++nb)
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t row = nb * kRows + r;
+      if (row >= n) break;
+      const uint8_t* cr = codes + row * kp;
+      for (int64_t b = 0; b < kb; ++b) {
+        uint8_t sc = scales[row * kb + b];
+        for (int64_t c = b * kKBlk; c < std::min(k, (b + 1) * kKBlk); ++c) {
+          uint8_t code = cr[c];
+          if (fmt == WFormat::mxfp4) {
+            uint8_t& byte = d[(nb * (kp / 4) + c / 4) * 32 + (r % 8) * 4 + (c % 4)];
+            byte |= r < 8 ? code : uint8_t(code << 4);
+          } else {
+            if (e4m3 && (code & 0x7F) == 0x7F) sc = kE8M0Nan;  // NaN element -> NaN block
+            if (fp6) code = uint8_t(((code & 0x20) << 2) | (code & 0x1F));
+            d[(nb * kp + c) * kRows + r] = code;
+          }
+        }
+        s[(nb * kb + b) * kRows + r] = sc;
+      }
+    }
+  return pw;
+}
+
+std::shared_ptr<PackedWeight> packed_from_buffers(
+    WFormat fmt, int64_t n, int64_t k,
+    const std::map<std::string, std::pair<const uint8_t*, size_t>>& bufs,
+    std::shared_ptr<void> keepalive) {
+  auto want = packed_buffer_sizes(fmt, n, k);
+  if (bufs.size() != want.size())
+    throw std::invalid_argument("packed " + std::string(mx_format(fmt).name) + " weight needs " +
+                                std::to_string(want.size()) + " buffers, got " +
+                                std::to_string(bufs.size()));
+  auto pw = std::make_shared<PackedWeight>();
+  pw->fmt = fmt;
+  pw->n = n;
+  pw->k = k;
+  for (const auto& [name, size] : want) {
+    auto it = bufs.find(name);
+    if (it == bufs.end()) throw std::invalid_argument("packed weight is missing buffer '" + name + "'");
+    if (it->second.second != size)
+      throw std::invalid_argument("packed buffer '" + name + "' has " +
+                                  std::to_string(it->second.second) + " bytes, expected " +
+                                  std::to_string(size) + " for " + mx_format(fmt).name + " [" +
+                                  std::to_string(n) + ", " + std::to_string(k) +
+                                  "] (layout version " + std::to_string(kPackLayoutVersion) + ")");
+    pw->buffers[name] = it->second;
+  }
+  pw->keepalive = std::move(keepalive);
+  return pw;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar reference: readable, every shape and format, the oracle of the fast paths.
+
+namespace detail {
+namespace {
+
+float bf16_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float half_to_float(uint16_t h) {  // exact, as vcvtph2ps
+  const int e = (h >> 10) & 31, m = h & 1023;
+  float v;
+  if (e == 0) v = std::ldexp(float(m), -24);
+  else if (e == 31) v = m ? NAN : INFINITY;
+  else v = std::ldexp(float(m | 1024), e - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+// The packed element (row, c), decoded but not scaled (value = decoded * elem_factor * scale).
+float ref_element(const GemmArgs& a, int64_t row, int64_t c) {
+  const int64_t nb = row / kRows, r = row % kRows;
+  if (a.kind == kBf16) {
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(a.data);
+    return bf16_to_float(d[(nb * (a.kp / 2) + c / 2) * 32 + r * 2 + (c & 1)]);
+  }
+  const uint8_t code = a.data[(nb * a.kp + c) * kRows + r];
+  if (a.kind == kI8) return float(int8_t(code));
+  uint16_t h = uint16_t(code << 8);
+  if (a.kind == kF16Sra) h = uint16_t((int16_t(h) >> 1) & 0xBFFF);
+  return half_to_float(h);
+}
+
+// MXFP4 element held doubled as an integer: 2 * E2M1 value in [-12, 12].
+int ref_q4_element(const GemmArgs& a, int64_t row, int64_t c) {
+  static const int kDoubledE2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  const int64_t nb = row / kRows, r = row % kRows;
+  const uint8_t byte = a.data[(nb * (a.kp / 4) + c / 4) * 32 + (r % 8) * 4 + (c % 4)];
+  return kDoubledE2M1[r < 8 ? (byte & 15) : (byte >> 4)];
+}
+
+float ref_scale(const GemmArgs& a, int64_t row, int64_t b) {
+  return e8m0_to_float(a.scales[((row / kRows) * (a.kp / kKBlk) + b) * kRows + row % kRows]);
+}
+
+float ref_dot(const GemmArgs& a, int64_t row, int64_t i) {
+  float y = 0.f;
+  if (a.kind == kBf16) {
+    const float* x = a.x + i * a.ldx;
+    for (int64_t c = 0; c < a.kp; ++c) y = std::fma(ref_element(a, row, c), x[c], y);
+  } else if (a.kind == kQ4) {
+    const int8_t* q = a.xq + i * a.kp;
+    for (int64_t b = 0; b < a.kp / kKBlk; ++b) {
+      int32_t isum = 0;  // exact
+      for (int64_t c = b * kKBlk; c < (b + 1) * kKBlk; ++c) isum += ref_q4_element(a, row, c) * q[c];
+      const float d = ref_scale(a, row, b) * a.xd[i * (a.kp / kKBlk) + b];
+      y = std::fma(float(isum), d, y);
+    }
+  } else {
+    const float* x = a.x + i * a.ldx;
+    for (int64_t b = 0; b < a.kp / kKBlk; ++b) {
+      float blk = 0.f;
+      for (int64_t c = b * kKBlk; c < (b + 1) * kKBlk; ++c)
+        blk = std::fma(ref_element(a, row, c), x[c], blk);
+      y = std::fma(blk * a.elem_factor, ref_scale(a, row, b), y);
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+void gemm_blocks_ref(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+  for (int64_t row = nb0 * kRows; row < std::min(a.n, nb1 * kRows); ++row)
+    for (int64_t i = 0; i < a.m; ++i) a.y[i * a.ldy + row] = ref_dot(a, row, i);
+}
+
+void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,
+                     float* xd, int32_t* xc) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < kp / kKBlk; ++b) {
+      float v[kKBlk], amax = 0.f;
+      for (int j = 0; j < kKBlk; ++j) {
+        const int64_t c = b * kKBlk + j;
+        v[j] = c < k ? x[i * ldx + c] : 0.f;
+        const float av = std::fabs(v[j]);
+        amax = av > amax ? av : amax;  // a NaN input is ignored, as max_ps(|x|, amax)
+      }
+      const float d = amax / 127.0f;
+      const float id = d != 0.f ? 1.0f / d : 0.f;
+      int32_t sum = 0;
+      for (int j = 0; j < kKBlk; ++j) {
+        const float t = std::nearbyint(v[j] * id);  // RNE, as cvtps2dq
+        // NaN -> -127 as cvtps2dq's 0x80000000 clamped
+        const int q = std::isnan(t) ? -127 : t >= 127.f ? 127 : t <= -127.f ? -127 : int(t);
+        xq[i * kp + b * kKBlk + j] = int8_t(q);
+        sum += q;
+      }
+      xd[i * (kp / kKBlk) + b] = d * 0.5f;
+      xc[i * (kp / kKBlk) + b] = 12 * sum;
+    }
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Paths and dispatch
+
+const char* gemm_path_name(GemmPath p) {
+  switch (p) {
+    case GemmPath::ref: return "ref";
+    case GemmPath::avx2: return "avx2";
+    case GemmPath::avx512: return "avx512";
+    case GemmPath::avx512_bf16: return "avx512_bf16";
+    case GemmPath::amx: return "amx";
+  }
+  return "?";
+}
+
+GemmPath gemm_path_from_name(const std::string& name) {
+  for (int i = 0; i <= int(GemmPath::amx); ++i)
+    if (name == gemm_path_name(GemmPath(i))) return GemmPath(i);
+  throw std::invalid_argument("unknown GEMM path '" + name +
+                              "' (expected ref, avx2, avx512, avx512_bf16 or amx)");
+}
+
+bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
+  const int isa = int(isa_selected());
+  switch (p) {
+    case GemmPath::ref: return true;
+    case GemmPath::avx2: return isa >= int(Isa::avx2);
+    case GemmPath::avx512: return isa >= int(Isa::avx512);
+    case GemmPath::avx512_bf16: return false && isa >= int(Isa::avx512_bf16) && w.fmt == WFormat::bf16;
+    // Tiles pay only for prefill; decode/verify (M <= 64) never changes path (gemm.h).
+    case GemmPath::amx: return false && isa >= int(Isa::amx) && w.fmt == WFormat::bf16 && m > 64;
+  }
+  return false;
+}
+
+GemmPath gemm_choose(const PackedWeight& w, int64_t m) {
+  for (int p = int(GemmPath::amx); p > int(GemmPath::ref); --p)
+    if (gemm_supports(GemmPath(p), w, m)) return GemmPath(p);
+  return GemmPath::ref;
+}
+
+void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y,
+               int64_t ldy) {
+  if (!gemm_supports(p, w, m))
+    throw std::invalid_argument(std::string("GEMM path '") + gemm_path_name(p) +
+                                "' is not usable here (isa_selected=" + isa_name(isa_selected()) +
+                                ", fmt=" + mx_format(w.fmt).name + ", m=" + std::to_string(m) + ")");
+  if (m < 0 || ldx < w.k || ldy < w.n) throw std::invalid_argument("gemm: bad m / ldx / ldy");
+  if (m == 0) return;
+
+  GemmArgs a;
+  a.kind = decode_kind(w.fmt);
+  a.n = w.n;
+  a.k = w.k;
+  a.np = w.n_padded();
+  a.kp = w.k_padded();
+  a.data = w.buf("data");
+  a.scales = w.fmt == WFormat::bf16 ? nullptr : w.buf("scales");
+  a.elem_factor = elem_factor(w.fmt);
+  a.m = m;
+  a.y = y;
+  a.ldy = ldy;
+
+  // Activations as the kernels read them: rows zero-padded to kp, or Q8, or bf16.
+  std::vector<float> xpad;
+  std::vector<int8_t> xq;
+  std::vector<float> xd;
+  std::vector<int32_t> xc;
+  std::vector<uint16_t> xbf;
+  const bool bf16_act = p == GemmPath::avx512_bf16 || p == GemmPath::amx;
+  if (a.kind == detail::kQ4) {
+    xq.resize(size_t(m * a.kp));
+    xd.resize(size_t(m * a.kp / kKBlk));
+    xc.resize(xd.size());
+    auto quantize = p == GemmPath::ref ? detail::quantize_q8_ref : detail::quantize_q8_avx2;
+    quantize(x, m, ldx, w.k, a.kp, xq.data(), xd.data(), xc.data());
+    a.xq = xq.data();
+    a.xd = xd.data();
+    a.xc = xc.data();
+  } else if (bf16_act) {
+    a.mpad = p == GemmPath::amx ? rup(m, 16) : m;
+    xbf.assign(size_t(a.mpad * a.kp), 0);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < w.k; ++c) {  // fp32 -> bf16 round to nearest even
+        uint32_t u;
+        std::memcpy(&u, x + i * ldx + c, 4);
+        if ((u & 0x7FFFFFFF) > 0x7F800000) u |= 0x00400000;  // NaN stays NaN
+        else u += 0x7FFF + ((u >> 16) & 1);
+        xbf[size_t(i * a.kp + c)] = uint16_t(u >> 16);
+      }
+    a.xbf = xbf.data();
+  } else if (w.k != a.kp) {
+    xpad.assign(size_t(m * a.kp), 0.f);
+    for (int64_t i = 0; i < m; ++i) std::memcpy(&xpad[size_t(i * a.kp)], x + i * ldx, size_t(w.k) * 4);
+    a.x = xpad.data();
+    a.ldx = a.kp;
+  } else {
+    a.x = x;
+    a.ldx = ldx;
+  }
+
+  void (*kernel)(const GemmArgs&, int64_t, int64_t, float*) = nullptr;
+  switch (p) {
+    case GemmPath::ref: kernel = detail::gemm_blocks_ref; break;
+    case GemmPath::avx2: kernel = detail::gemm_blocks_avx2; break;
+    case GemmPath::avx512: kernel = detail::gemm_blocks_avx512; break;
+    case GemmPath::avx512_bf16: kernel = detail::gemm_blocks_avx512_bf16; break;
+    case GemmPath::amx: kernel = detail::gemm_blocks_amx; break;
+  }
+
+  // Threads split row blocks of N only (K is never split), so the thread count never
+  // changes what a row computes. Tiny problems stay on one thread.
+  const int64_t nblk = a.np / kRows;
+  int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
+  threads = int(std::min<int64_t>(threads, nblk));
+  const int64_t scratch = m * detail::kAccCols;
+  std::vector<float> acc(size_t(scratch * threads));
+  if (threads == 1) {
+    kernel(a, 0, nblk, acc.data());
+  } else {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      kernel(a, nblk * t / nt, nblk * (t + 1) / nt, acc.data() + t * scratch);
+    }
+  }
+}
+
+void gemm(const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy) {
+  gemm_path(gemm_choose(w, m), w, x, m, ldx, y, ldy);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Read-bandwidth probe for bench/: sums a buffer with plain SSE2 loads, threads split it.
+
+namespace {
+
+std::vector<double> read_bandwidth_probe(int64_t nbytes, int reps, int threads) {
+  if (nbytes < 4096 || reps < 1) throw std::invalid_argument("read_bandwidth_probe: nbytes >= 4096, reps >= 1");
+  if (threads < 1) threads = omp_get_max_threads();
+  const int64_t nvec = nbytes / 64 * 4;  // multiple of 4 x 16 bytes
+  __m128i* buf = static_cast<__m128i*>(std::aligned_alloc(64, size_t(nvec) * 16));
+  if (!buf) throw std::runtime_error("read_bandwidth_probe: out of memory");
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < nvec; ++i) buf[i] = _mm_set1_epi32(int(i));  // first touch per thread
+  std::vector<double> secs;
+  volatile int64_t sink = 0;
+  for (int r = 0; r < reps; ++r) {
+    int64_t total = 0;
+    auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+    for (int64_t blk = 0; blk < nvec / 4; ++blk) {
+      __m128i s0 = _mm_load_si128(buf + 4 * blk), s1 = _mm_load_si128(buf + 4 * blk + 1);
+      __m128i s2 = _mm_load_si128(buf + 4 * blk + 2), s3 = _mm_load_si128(buf + 4 * blk + 3);
+      __m128i s = _mm_add_epi64(_mm_add_epi64(s0, s1), _mm_add_epi64(s2, s3));
+      total += _mm_cvtsi128_si64(s);
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    sink = sink + total;
+    secs.push_back(std::chrono::duration<double>(t1 - t0).count());
+  }
+  std::free(buf);
+  return secs;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Bindings
+
+namespace py = pybind11;
+
+namespace {
+
+// Python buffers borrowed by a PackedWeight: released (under the GIL) when the last owner goes.
+struct BorrowedBuffers {
+  std::vector<Py_buffer> views;
+  ~BorrowedBuffers() {
+    if (views.empty() || !Py_IsInitialized()) return;
+    py::gil_scoped_acquire gil;
+    for (auto& v : views) PyBuffer_Release(&v);
+  }
+};
+
+py::array ro_view(const uint8_t* p, size_t n, py::handle base) {
+  py::array a(py::dtype::of<uint8_t>(), {py::ssize_t(n)}, {py::ssize_t(1)}, p, base);
+  a.attr("setflags")(py::arg("write") = false);
+  return a;
+}
+
+void check_2d(const py::array& a, const char* what, const py::dtype& dt) {
+  if (!a.dtype().is(dt) && !a.dtype().equal(dt))
+    throw std::invalid_argument(std::string(what) + ": expected dtype " +
+                                py::str(dt).cast<std::string>() + ", got " +
+                                py::str(a.dtype()).cast<std::string>());
+  if (a.ndim() != 2)
+    throw std::invalid_argument(std::string(what) + ": expected a 2-D array, got " +
+                                std::to_string(a.ndim()) + "-D");
+}
+
+}  // namespace
+
+void bind_gemm(py::module_& m) {
+  py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(
+      m, "PackedWeight", "Weights packed once for the GEMM kernels (layout: csrc/gemm.h)")
+      .def_property_readonly("fmt", [](const PackedWeight& w) { return std::string(mx_format(w.fmt).name); })
+      .def_property_readonly("n", [](const PackedWeight& w) { return w.n; })
+      .def_property_readonly("k", [](const PackedWeight& w) { return w.k; })
+      .def_property_readonly("nbytes", &PackedWeight::nbytes, "bytes one full pass streams")
+      .def("buffers", [](py::object self) {
+        const PackedWeight& w = self.cast<const PackedWeight&>();
+        py::dict d;
+        for (const auto& [name, pb] : w.buffers) d[py::str(name)] = ro_view(pb.first, pb.second, self);
+        return d;
+      }, "Named read-only uint8 views of the packed buffers (zero copy)")
+      .def_static("from_buffers", [](const std::string& fmt, int64_t n, int64_t k, py::dict bufs) {
+        WFormat f = wformat_from_name(fmt);
+        auto owner = std::make_shared<BorrowedBuffers>();
+        std::map<std::string, std::pair<const uint8_t*, size_t>> views;
+        for (auto item : bufs) {
+          std::string name = py::str(item.first);
+          Py_buffer v;
+          if (PyObject_GetBuffer(item.second.ptr(), &v, PyBUF_C_CONTIGUOUS) != 0) {
+            PyErr_Clear();
+            throw std::invalid_argument("buffer '" + name + "' is not a C-contiguous buffer");
+          }
+          owner->views.push_back(v);
+          views[name] = {static_cast<const uint8_t*>(v.buf), size_t(v.len)};
+        }
+        return packed_from_buffers(f, n, k, views, owner);
+      }, py::arg("fmt"), py::arg("n"), py::arg("k"), py::arg("buffers"),
+         "Borrow packed buffers (zero copy; the objects are kept alive); sizes are checked")
+      .def("__repr__", [](const PackedWeight& w) {
+        return "PackedWeight(fmt=" + std::string(mx_format(w.fmt).name) + ", n=" + std::to_string(w.n) +
+               ", k=" + std::to_string(w.k) + ", nbytes=" + std::to_string(w.nbytes()) + ")";
+      });
+
+  m.attr("PACK_LAYOUT_VERSION") = kPackLayoutVersion;
+
+  m.def("pack_bf16", [](py::array w) {
+    check_2d(w, "pack_bf16 w", py::dtype::of<uint16_t>());
+    auto wc = py::array_t<uint16_t, py::array::c_style>::ensure(w);
+    const int64_t n = wc.shape(0), k = wc.shape(1);
+    py::gil_scoped_release nogil;
+    return pack_bf16(wc.data(), n, k);
+  }, py::arg("w"), "Pack BF16 weight bits (numpy uint16 [N, K])");
+
+  m.def("pack_mx", [](const std::string& fmt, py::array codes, py::array scales, int64_t k) {
+    WFormat f = wformat_from_name(fmt);
+    if (f == WFormat::bf16) throw std::invalid_argument("pack_mx: use pack_bf16 for bf16");
+    check_2d(codes, "pack_mx codes", py::dtype::of<uint8_t>());
+    check_2d(scales, "pack_mx scales", py::dtype::of<uint8_t>());
+    const int64_t n = codes.shape(0), kp = rup(k, kKBlk);
+    if (k < 1 || codes.shape(1) != kp)
+      throw std::invalid_argument("pack_mx: codes must be [N, ceil(k/32)*32] = [N, " +
+                                  std::to_string(kp) + "], got [" + std::to_string(n) + ", " +
+                                  std::to_string(codes.shape(1)) + "]");
+    if (scales.shape(0) != n || scales.shape(1) != kp / kKBlk)
+      throw std::invalid_argument("pack_mx: scales must be [N, " + std::to_string(kp / kKBlk) + "]");
+    auto cc = py::array_t<uint8_t, py::array::c_style>::ensure(codes);
+    auto sc = py::array_t<uint8_t, py::array::c_style>::ensure(scales);
+    py::gil_scoped_release nogil;
+    return pack_mx(f, cc.data(), sc.data(), n, k);
+  }, py::arg("fmt"), py::arg("codes"), py::arg("scales"), py::arg("k"),
+     "Pack MX codes (uint8 one per byte [N, Kpad]) and E8M0 scales (uint8 [N, Kpad/32])");
+
+  m.def("gemm", [](const PackedWeight& w, py::array x, std::optional<py::array> out,
+                   std::optional<std::string> path) {
+    check_2d(x, "gemm x", py::dtype::of<float>());
+    if (x.shape(1) != w.k)
+      throw std::invalid_argument("gemm: x has " + std::to_string(x.shape(1)) +
+                                  " columns, weight k = " + std::to_string(w.k));
+    const int64_t mrows = x.shape(0);
+    if (x.strides(1) != 4 || (mrows > 1 && (x.strides(0) % 4 != 0 || x.strides(0) / 4 < w.k)))
+      throw std::invalid_argument("gemm: x must be C-contiguous rows (row stride >= k)");
+    const int64_t ldx = mrows > 1 ? x.strides(0) / 4 : w.k;
+    py::array y;
+    if (out) {
+      y = *out;
+      check_2d(y, "gemm out", py::dtype::of<float>());
+      if (y.shape(0) != mrows || y.shape(1) != w.n)
+        throw std::invalid_argument("gemm: out must be [" + std::to_string(mrows) + ", " +
+                                    std::to_string(w.n) + "]");
+      if (!y.writeable()) throw std::invalid_argument("gemm: out is read-only");
+      if (y.strides(1) != 4 || (mrows > 1 && (y.strides(0) % 4 != 0 || y.strides(0) / 4 < w.n)))
+        throw std::invalid_argument("gemm: out must be C-contiguous rows");
+    } else {
+      y = py::array_t<float>({mrows, w.n});
+    }
+    const int64_t ldy = mrows > 1 ? y.strides(0) / 4 : w.n;
+    const GemmPath p = path ? gemm_path_from_name(*path) : gemm_choose(w, mrows);
+    if (!gemm_supports(p, w, mrows))
+      throw std::invalid_argument(std::string("GEMM path '") + gemm_path_name(p) +
+                                  "' is not usable here (isa_selected=" + isa_name(isa_selected()) +
+                                  ", fmt=" + mx_format(w.fmt).name + ", m=" + std::to_string(mrows) + ")");
+    const float* xp = static_cast<const float*>(x.data());
+    float* yp = static_cast<float*>(y.mutable_data());
+    {
+      py::gil_scoped_release nogil;
+      gemm_path(p, w, xp, mrows, ldx, yp, ldy);
+    }
+    return y;
+  }, py::arg("w"), py::arg("x"), py::arg("out") = py::none(), py::arg("path") = py::none(),
+     "y[M, N] = x[M, K] @ W[N, K]^T (fp32); path None = dispatcher");
+
+  m.def("gemm_paths", [](const PackedWeight& w, int64_t mrows) {
+    std::vector<std::string> r;
+    for (int p = 0; p <= int(GemmPath::amx); ++p)
+      if (gemm_supports(GemmPath(p), w, mrows)) r.push_back(gemm_path_name(GemmPath(p)));
+    return r;
+  }, py::arg("w"), py::arg("m"), "GEMM paths usable on this CPU for this weight and M");
+
+  m.def("gemm_choose", [](const PackedWeight& w, int64_t mrows) {
+    return std::string(gemm_path_name(gemm_choose(w, mrows)));
+  }, py::arg("w"), py::arg("m"), "The path the dispatcher takes for this weight and M");
+
+  m.def("read_bandwidth_probe", [](int64_t nbytes, int reps, int threads) {
+    py::gil_scoped_release nogil;
+    return read_bandwidth_probe(nbytes, reps, threads);
+  }, py::arg("nbytes"), py::arg("reps") = 5, py::arg("threads") = 0,
+     "Seconds per pass of a threaded streaming read of nbytes (SSE2 loads); threads 0 = all");
+}
+
 }  // namespace qspec

@@ -3,6 +3,27 @@
 // Contract every path keeps (DESIGN.md invariant 2, batch invariance): y[i, n] is computed
 // with the same instructions in the same order whatever M is and whatever the other rows of
 // x hold, and whatever the thread count (threads split N only; K is never split).
+//
+// Packed layouts (kPackLayoutVersion 1). N is padded to a multiple of 16 (one row block),
+// K to a multiple of 32 (one MX block); padding holds zero weights.
+//   bf16          "data"   [N/16][K/2][16 rows][2 k] bf16   (VNNI pairs: AVX512-BF16 / AMX B tile)
+//   mxfp4         "data"   [N/16][K/4][32 bytes]: one 16-row x 4-k slab as nibbles; byte j<16
+//                          holds rows 0-3 (low nibble) / rows 8-11 (high nibble), byte 16+j rows
+//                          4-7 / 12-15, element (row r, k c) at j = (r%4)*4 + c
+//                 "scales" [N/16][K/32][16 rows] E8M0
+//   other MX      "data"   [N/16][K][16 rows], one byte per code (FP6 too: 8 bits/weight),
+//                          sign moved to bit 7 (FP6); "scales" as mxfp4. An E4M3 NaN code
+//                          makes its block scale NaN at pack time (same result: y is NaN).
+//
+// Arithmetic (what every path computes; `ref` spells it out in scalar code):
+//   bf16          y = fma chain over k ascending (x fp32, +0 start). avx2 / avx512 / ref are
+//                 bit-identical. avx512_bf16 rounds x to bf16 (RNE) and uses vdpbf16ps over k
+//                 pairs; amx uses tdpbf16ps: both agree with ref only to a tolerance.
+//   mxfp4         x quantized per 32-block to int8 (Q8: d = max|x|/127, q = rne(x/d)); per block
+//                 the exact integer dot sum(2*e2m1 * q) then y = fma(float(isum), e8m0*d/2, y).
+//                 Every path is bit-identical to ref.
+//   FP6/FP8/INT8  per block b = fma chain over the 32 k (element decoded exactly, shifted by
+//                 a power of two f), then y = fma(b*f, e8m0, y). Every path bit-identical to ref.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -29,7 +50,16 @@ struct PackedWeight {
 
   const uint8_t* buf(const std::string& name) const;
   size_t nbytes() const;  // bytes a full pass streams (weights + scales)
+  int64_t n_padded() const { return (n + 15) / 16 * 16; }
+  int64_t k_padded() const { return (k + 31) / 32 * 32; }
 };
+
+// Names and byte sizes of the buffers of a packed weight of this format and shape.
+std::vector<std::pair<std::string, size_t>> packed_buffer_sizes(WFormat fmt, int64_t n, int64_t k);
+// Borrow buffers (zero copy); sizes are checked against packed_buffer_sizes. keepalive owns them.
+std::shared_ptr<PackedWeight> packed_from_buffers(
+    WFormat fmt, int64_t n, int64_t k, const std::map<std::string, std::pair<const uint8_t*, size_t>>& bufs,
+    std::shared_ptr<void> keepalive);
 
 constexpr int kPackLayoutVersion = 1;  // bump when any packed layout changes
 
@@ -41,6 +71,7 @@ std::shared_ptr<PackedWeight> pack_mx(WFormat fmt, const uint8_t* codes, const u
 // Paths in ISA order; "ref" is the scalar oracle and the fallback for every shape.
 enum class GemmPath : int { ref = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3, amx = 4 };
 const char* gemm_path_name(GemmPath p);
+GemmPath gemm_path_from_name(const std::string& name);  // throws std::invalid_argument
 bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m);
 // The path the dispatcher takes for this weight and M at the selected ISA level.
 GemmPath gemm_choose(const PackedWeight& w, int64_t m);

@@ -1,0 +1,59 @@
+// Shared between csrc/gemm.cpp (driver, packing, ref) and the ISA files csrc/x86/gemm_*.cpp.
+// Plain data and declarations only: an inline function here would be compiled with AVX-512
+// flags in gemm_avx512.cpp and could be the copy the linker keeps for baseline callers.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace qspec {
+namespace detail {
+
+constexpr int kRows = 16;   // output rows per packed block
+constexpr int kKBlk = 32;   // MX block (and K padding)
+constexpr int kAccCols = 64;  // per-row accumulator scratch: up to 4 row blocks at once
+
+// Element decode families (how one packed code becomes a float).
+enum Kind : int {
+  kBf16 = 0,    // bf16 VNNI pairs
+  kQ4 = 1,      // MXFP4 nibbles, int8 activations (Q8)
+  kF16Shl = 2,  // byte << 8 is an fp16 of the value * 2^(bias-15)   (E5M2, E3M2)
+  kF16Sra = 3,  // (byte << 8) >>arith 1, bit 14 cleared: fp16 too   (E4M3, E2M3)
+  kI8 = 4,      // int8 code                                          (MXINT8)
+};
+
+// One GEMM call as the kernels see it. Activations are already prepared by the driver:
+// fp32 rows zero-padded to kp (x, ldx), or for kQ4 the Q8 rows (xq [m][kp], xd/xc [m][kp/32]).
+struct GemmArgs {
+  int kind = kBf16;
+  int64_t n = 0, k = 0, np = 0, kp = 0;
+  const uint8_t* data = nullptr;
+  const uint8_t* scales = nullptr;
+  float elem_factor = 1.f;  // f: element value = decoded * f (power of two)
+  int64_t m = 0;
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  const int8_t* xq = nullptr;   // Q8 codes
+  const float* xd = nullptr;    // Q8 scale * 0.5 (E2M1 codes are held doubled)
+  const int32_t* xc = nullptr;  // 12 * sum(q): the LUT adds 12 so codes are unsigned
+  const uint16_t* xbf = nullptr;  // x rounded to bf16, [mpad][kp] (avx512_bf16 / amx)
+  int64_t mpad = 0;
+  float* y = nullptr;
+  int64_t ldy = 0;
+};
+
+// Kernels: compute y rows 0..m-1, columns of row blocks [nb0, nb1). acc: m * kAccCols floats
+// of per-thread scratch. Never throw (they run inside an OpenMP region).
+void gemm_blocks_ref(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+void gemm_blocks_avx2(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+
+// Q8 activation quantization (per 32-block of a row); every implementation is bit-identical.
+void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,
+                     float* xd, int32_t* xc);
+void quantize_q8_avx2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,
+                      float* xd, int32_t* xc);
+
+}  // namespace detail
+}  // namespace qspec

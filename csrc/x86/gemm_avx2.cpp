@@ -1,0 +1,298 @@
+// AVX2 + FMA + F16C GEMM kernels (compiled with -mavx2 -mfma -mf16c; chosen at run time).
+// Outer-product form over the packed 16-row blocks: a vector holds 8 output rows, x is
+// broadcast, so each output element is one FMA chain in exactly the order `ref` uses
+// (gemm.h): bit-identical to ref, whatever M, the other rows or the thread count.
+// Everything here is static / anonymous-namespace except the entry points (gemm_internal.h).
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "gemm_internal.h"
+
+namespace qspec {
+namespace detail {
+namespace {
+
+constexpr int kMaxMB = 4;  // rows of x per register tile
+
+// Output rows r of block group nbg (NB blocks): acc layout [m][kAccCols], column j*16 + r.
+inline float* acc_row(float* acc, int64_t i) { return acc + i * kAccCols; }
+
+inline void store_rows(const GemmArgs& a, int64_t nb, int nbn, const float* acc) {
+  for (int64_t i = 0; i < a.m; ++i) {
+    const float* src = acc + i * kAccCols;
+    float* dst = a.y + i * a.ldy + nb * kRows;
+    const int64_t cols = a.n - nb * kRows < nbn * kRows ? a.n - nb * kRows : nbn * kRows;
+    std::memcpy(dst, src, size_t(cols) * 4);
+  }
+}
+
+// E8M0 bytes -> 8 floats 2^(s-127); 0x00 -> 2^-127 (subnormal), 0xFF -> NaN.
+inline __m256 e8m0x8(const uint8_t* p) {
+  const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m256i bits = _mm256_slli_epi32(s, 23);
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(s, _mm256_setzero_si256()));
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(s, _mm256_set1_epi32(255)));
+  return _mm256_castsi256_ps(bits);
+}
+
+// ----------------------------------------------------------------------------- BF16
+// y = fma chain over k ascending. Block j, k pair p: 64 bytes = rows 0-7 then rows 8-15,
+// each 32 bytes = 8 x (even k, odd k).
+template <int MB, int NB>
+void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  __m256 c[MB][NB][2];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h)
+        c[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
+  const uint16_t* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
+  const float* x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m256 e[NB][2], o[NB][2];
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + k * 16 + h * 16));
+        e[j][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        o[j][h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+      }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(x[i] + k);
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) c[i][j][h] = _mm256_fmadd_ps(e[j][h], xe, c[i][j][h]);
+      const __m256 xo = _mm256_broadcast_ss(x[i] + k + 1);
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) c[i][j][h] = _mm256_fmadd_ps(o[j][h], xo, c[i][j][h]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, c[i][j][h]);
+}
+
+// ----------------------------------------------------------------------------- FP6/FP8/INT8
+// 16 codes (one k, 16 rows) -> two vectors of 8 rows, exactly as ref_element.
+template <int KIND>
+inline void decode16(const uint8_t* p, __m256& lo, __m256& hi) {
+  if (KIND == kI8) {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  } else {
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+    if (KIND == kF16Sra) h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(int16_t(0xBFFF)));
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
+}
+
+template <int KIND, int MB, int NB>
+void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  const int64_t kb = a.kp / kKBlk;
+  if (init)
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
+  const uint8_t* w[NB];
+  const uint8_t* s[NB];
+  for (int j = 0; j < NB; ++j) {
+    w[j] = a.data + (nb + j) * a.kp * kRows;
+    s[j] = a.scales + (nb + j) * kb * kRows;
+  }
+  const float* x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  const __m256 f = _mm256_set1_ps(a.elem_factor);
+  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
+    __m256 c[MB][NB][2];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) c[i][j][0] = c[i][j][1] = _mm256_setzero_ps();
+    for (int64_t k = b * kKBlk; k < (b + 1) * kKBlk; ++k) {
+      __m256 v[NB][2];
+      for (int j = 0; j < NB; ++j) decode16<KIND>(w[j] + k * kRows, v[j][0], v[j][1]);
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x[i] + k);
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 2; ++h) c[i][j][h] = _mm256_fmadd_ps(v[j][h], xv, c[i][j][h]);
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = e8m0x8(s[j] + b * kRows + h * 8);
+        for (int i = 0; i < MB; ++i) {
+          float* pa = acc_row(acc, m0 + i) + j * 16 + h * 8;
+          _mm256_storeu_ps(pa, _mm256_fmadd_ps(_mm256_mul_ps(c[i][j][h], f), d, _mm256_loadu_ps(pa)));
+        }
+      }
+  }
+}
+
+// ----------------------------------------------------------------------------- MXFP4 (Q8)
+// Slab of 16 rows x 4 k = 32 bytes: low nibbles are rows 0-7 ([row][4 k] bytes, the vpmaddubsw
+// pair order), high nibbles rows 8-15. The LUT returns 2*E2M1 + 12 in [0, 24] so the weight is
+// the unsigned operand of vpmaddubsw; 12*sum(q) (xc) is taken off per block. Bounds: a pair is
+// <= 2*24*127 = 6096, four slabs summed in int16 <= 24384 < 2^15: exact.
+template <int MB, int NB>
+void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  const int64_t kb = a.kp / kKBlk;
+  if (init)
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
+  const uint8_t* w[NB];
+  const uint8_t* s[NB];
+  for (int j = 0; j < NB; ++j) {
+    w[j] = a.data + (nb + j) * (a.kp / 4) * 32;
+    s[j] = a.scales + (nb + j) * kb * kRows;
+  }
+  const int8_t* q[MB];
+  for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
+  const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
+    __m256i isum[MB][NB][2];
+    for (int half = 0; half < 2; ++half) {
+      __m256i s16[MB][NB][2];
+      for (int g = 0; g < 4; ++g) {
+        const int64_t slab = b * 8 + half * 4 + g;
+        __m256i wl[NB], wh[NB];
+        for (int j = 0; j < NB; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
+          wl[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+          wh[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+        }
+        for (int i = 0; i < MB; ++i) {
+          int32_t q4;
+          std::memcpy(&q4, q[i] + slab * 4, 4);
+          const __m256i xq = _mm256_set1_epi32(q4);
+          for (int j = 0; j < NB; ++j) {
+            const __m256i pl = _mm256_maddubs_epi16(wl[j], xq);
+            const __m256i ph = _mm256_maddubs_epi16(wh[j], xq);
+            s16[i][j][0] = g == 0 ? pl : _mm256_add_epi16(s16[i][j][0], pl);
+            s16[i][j][1] = g == 0 ? ph : _mm256_add_epi16(s16[i][j][1], ph);
+          }
+        }
+      }
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i s32 = _mm256_madd_epi16(s16[i][j][h], ones);
+            isum[i][j][h] = half == 0 ? s32 : _mm256_add_epi32(isum[i][j][h], s32);
+          }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = e8m0x8(s[j] + b * kRows + h * 8);
+        for (int i = 0; i < MB; ++i) {
+          const int64_t ib = (m0 + i) * kb + b;
+          const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j][h], _mm256_set1_epi32(a.xc[ib])));
+          const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(a.xd[ib]));
+          float* pa = acc_row(acc, m0 + i) + j * 16 + h * 8;
+          _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, dd, _mm256_loadu_ps(pa)));
+        }
+      }
+  }
+}
+
+// ----------------------------------------------------------------------------- driver
+using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
+
+#define QSPEC_TILE_TABLE(name, tmpl)                                                        \
+  const TileFn name[kMaxMB][4] = {                                                        \
+      {tmpl<1, 1>, tmpl<1, 2>, tmpl<1, 3>, tmpl<1, 4>}, {tmpl<2, 1>, tmpl<2, 2>, nullptr, nullptr}, \
+      {tmpl<3, 1>, nullptr, nullptr, nullptr}, {tmpl<4, 1>, nullptr, nullptr, nullptr}};
+
+template <int MB, int NB> void bf16_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
+template <int MB, int NB> void q4_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
+template <int MB, int NB> void shl_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Shl, MB, NB>(a, nb, m0, k0, k1, acc, init); }
+template <int MB, int NB> void sra_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Sra, MB, NB>(a, nb, m0, k0, k1, acc, init); }
+template <int MB, int NB> void i8_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kI8, MB, NB>(a, nb, m0, k0, k1, acc, init); }
+
+QSPEC_TILE_TABLE(kBf16Tiles, bf16_fn)
+QSPEC_TILE_TABLE(kQ4Tiles, q4_fn)
+QSPEC_TILE_TABLE(kShlTiles, shl_fn)
+QSPEC_TILE_TABLE(kSraTiles, sra_fn)
+QSPEC_TILE_TABLE(kI8Tiles, i8_fn)
+#undef QSPEC_TILE_TABLE
+
+}  // namespace
+
+void gemm_blocks_avx2(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+  const TileFn(*table)[4] = a.kind == kBf16 ? kBf16Tiles
+                          : a.kind == kQ4   ? kQ4Tiles
+                          : a.kind == kF16Shl ? kShlTiles
+                          : a.kind == kF16Sra ? kSraTiles
+                                              : kI8Tiles;
+  // Row blocks per register tile: more for M = 1 (independent FMA chains), 1 from M = 3.
+  const int nbmax = a.m == 1 ? 4 : a.m == 2 ? 2 : 1;
+  // With several row tiles of x, the weight chunk is re-read from L1: keep it ~16 KB.
+  const int64_t bytes_per_k = (a.kind == kBf16 ? 2 : a.kind == kQ4 ? 1 : 2) * 16 * nbmax;
+  int64_t kc = a.m <= kMaxMB ? a.kp : (16384 / bytes_per_k) / kKBlk * kKBlk;
+  if (kc < kKBlk) kc = kKBlk;
+  for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
+    const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
+    for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
+      const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
+      for (int64_t m0 = 0; m0 < a.m; m0 += kMaxMB) {
+        const int mb = int(a.m - m0 < kMaxMB ? a.m - m0 : kMaxMB);
+        // Shapes missing from the table fall back to one block at a time: same arithmetic.
+        TileFn fn = table[mb - 1][nbn - 1];
+        if (fn) {
+          fn(a, nb, m0, k0, k1, acc + 0, k0 == 0);
+        } else {
+          for (int j = 0; j < nbn; ++j) table[mb - 1][0](a, nb + j, m0, k0, k1, acc + j * 16, k0 == 0);
+        }
+      }
+    }
+    store_rows(a, nb, nbn, acc);
+  }
+}
+
+// ----------------------------------------------------------------------------- Q8 activations
+// Bit-identical to quantize_q8_ref: same max, same IEEE divide, RNE conversion.
+void quantize_q8_avx2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,
+                      float* xd, int32_t* xc) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < kp / kKBlk; ++b) {
+      float buf[kKBlk];
+      const float* src = x + i * ldx + b * kKBlk;
+      if ((b + 1) * kKBlk > k) {
+        for (int j = 0; j < kKBlk; ++j) buf[j] = b * kKBlk + j < k ? src[j] : 0.f;
+        src = buf;
+      }
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int t = 0; t < 4; ++t) {
+        v[t] = _mm256_loadu_ps(src + 8 * t);
+        amax = _mm256_max_ps(_mm256_and_ps(v[t], absmask), amax);
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float am = _mm_cvtss_f32(m4);
+      const float d = am / 127.0f;
+      const float id = d != 0.f ? 1.0f / d : 0.f;
+      const __m256 vid = _mm256_set1_ps(id);
+      __m256i qi[4];
+      __m256i sum = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        qi[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], vid));
+        qi[t] = _mm256_max_epi32(_mm256_min_epi32(qi[t], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        sum = _mm256_add_epi32(sum, qi[t]);
+      }
+      const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]);
+      const __m256i p23 = _mm256_packs_epi32(qi[2], qi[3]);
+      __m256i p = _mm256_packs_epi16(p01, p23);
+      p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i * kp + b * kKBlk), p);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      xd[i * (kp / kKBlk) + b] = d * 0.5f;
+      xc[i * (kp / kKBlk) + b] = 12 * _mm_cvtsi128_si32(s4);
+    }
+}
+
+}  // namespace detail
+}  // namespace qspec

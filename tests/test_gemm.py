@@ -1,0 +1,389 @@
+"""GEMM kernels: every path vs the scalar reference, the reference vs an independent float64
+computation, batch invariance (bit-exact), packing round trips and bad inputs.
+
+The MX element decoding here is written from the format table (MX.md), independent of
+qspec/mx.py and csrc/mx.*.
+"""
+
+import numpy as np
+import pytest
+
+from qspec import _C
+
+MX_FORMATS = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8"]
+ALL_FORMATS = ["bf16"] + MX_FORMATS
+# (bits, exponent bits, mantissa bits, bias) per element format (OCP MX v1.0)
+FMT = {
+    "mxfp4": (4, 2, 1, 1),
+    "mxfp6_e2m3": (6, 2, 3, 1),
+    "mxfp6_e3m2": (6, 3, 2, 3),
+    "mxfp8_e4m3": (8, 4, 3, 7),
+    "mxfp8_e5m2": (8, 5, 2, 15),
+    "mxint8": (8, 0, 7, 0),
+}
+
+# Named tolerances. Reference vs float64 is bounded by |err| <= TOL * sum_k |x_k w_k| (+ the
+# Q8 activation rounding for MXFP4, bounded exactly below). Fast paths vs ref: the paths that
+# keep fp32 activations (avx2, avx512) perform the same arithmetic as ref (gemm.h): exact.
+REF_VS_F64_TOL = 3e-6           # fp32 FMA chains over K <= 4128
+PATH_VS_REF_TOL = {
+    "avx2": 0.0,
+    "avx512": 0.0,
+    "avx512_bf16": 2 ** -7,     # x rounded to bf16 (RNE): relative 2^-9 per product, + dot order
+    "amx": 2 ** -7,
+}
+
+
+def bf16_bits(a):
+    """float -> bf16 bits, round to nearest even (finite inputs)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def bf16_values(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def decode_table(fmt):
+    """float64 value of every code of an MX element format (before the shared scale)."""
+    bits, eb, mb, bias = FMT[fmt]
+    out = np.zeros(1 << bits)
+    for c in range(1 << bits):
+        if fmt == "mxint8":
+            out[c] = (c - 256 if c >= 128 else c) / 64.0
+            continue
+        sign = -1.0 if c >> (bits - 1) else 1.0
+        e = (c >> mb) & ((1 << eb) - 1)
+        m = c & ((1 << mb) - 1)
+        if fmt == "mxfp8_e4m3" and e == 15 and m == 7:
+            v = np.nan
+        elif fmt == "mxfp8_e5m2" and e == 31:
+            v = np.inf if m == 0 else np.nan
+        elif e == 0:
+            v = m / (1 << mb) * 2.0 ** (1 - bias)
+        else:
+            v = (1 + m / (1 << mb)) * 2.0 ** (e - bias)
+        out[c] = sign * v
+    return out
+
+
+def random_mx(rng, fmt, n, k, scale_lo=118, scale_hi=131, special=False):
+    """Random codes [n, kpad] (padding zero) + E8M0 scales; no NaN/Inf codes unless special."""
+    bits = FMT[fmt][0]
+    kp = (k + 31) // 32 * 32
+    codes = rng.integers(0, 1 << bits, size=(n, kp), dtype=np.uint8)
+    if not special:
+        vals = decode_table(fmt)[codes]
+        codes[~np.isfinite(vals)] = 0
+    codes[:, k:] = 0
+    scales = rng.integers(scale_lo, scale_hi, size=(n, kp // 32), dtype=np.uint8)
+    return codes, scales
+
+
+def dequant(fmt, codes, scales, k):
+    vals = decode_table(fmt)[codes]
+    s = np.where(scales == 255, np.nan, np.ldexp(1.0, scales.astype(np.int64) - 127))
+    return (vals * np.repeat(s, 32, axis=1))[:, :k]
+
+
+def make_weight(rng, fmt, n, k):
+    """(packed weight, float64 dense W [n, k])."""
+    if fmt == "bf16":
+        bits = bf16_bits(rng.standard_normal((n, k)) * 0.1)
+        return _C.pack_bf16(bits), bf16_values(bits).astype(np.float64)
+    codes, scales = random_mx(rng, fmt, n, k)
+    return _C.pack_mx(fmt, codes, scales, k), dequant(fmt, codes, scales, k)
+
+
+def q8_error_bound(x, w):
+    """Max |x·w - xq·w| from rounding x to int8 per 32-block (|dx| <= amax/254 per element)."""
+    m, k = x.shape
+    kp = (k + 31) // 32 * 32
+    xp = np.zeros((m, kp))
+    xp[:, :k] = np.abs(x)
+    amax = np.repeat(xp.reshape(m, -1, 32).max(axis=2), 32, axis=1)[:, :k]
+    return (amax / 254.0) @ np.abs(w).T * 1.001
+
+
+def paths_for(pw, m):
+    return _C.gemm_paths(pw, m)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def threads():
+    old = _C.get_num_threads()
+    yield
+    _C.set_num_threads(old)
+
+
+# ------------------------------------------------------------------------------------------ API
+
+
+def test_paths_and_dispatch():
+    pw = _C.pack_bf16(np.zeros((16, 32), np.uint16))
+    info = _C.cpu_info()
+    paths = _C.gemm_paths(pw, 1)
+    assert paths[0] == "ref"
+    if info["isa_selected"] != "scalar":
+        assert "avx2" in paths
+    if not info["features"]["avx512f"]:
+        assert not {"avx512", "avx512_bf16", "amx"} & set(paths)
+    # decode / verify range: one path whatever M (DESIGN.md invariant 2)
+    for fmt in ["bf16", "mxfp4", "mxfp8_e4m3"]:
+        w = pw if fmt == "bf16" else _C.pack_mx(fmt, np.zeros((16, 32), np.uint8), np.zeros((16, 1), np.uint8), 32)
+        chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}
+        assert len(chosen) == 1, chosen
+        assert chosen.pop() in _C.gemm_paths(w, 1)
+    assert isinstance(_C.PACK_LAYOUT_VERSION, int)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_packed_properties_and_sizes(fmt, rng):
+    n, k = 33, 100
+    pw, _ = make_weight(rng, fmt, n, k)
+    assert (pw.fmt, pw.n, pw.k) == (fmt, n, k)
+    np_, kp = 48, 128
+    bits_per_weight = {"bf16": 16, "mxfp4": 4.25}.get(fmt, 8.25)
+    assert pw.nbytes == int(np_ * kp * bits_per_weight / 8)
+    bufs = pw.buffers()
+    assert sum(b.nbytes for b in bufs.values()) == pw.nbytes
+    assert all(b.dtype == np.uint8 and not b.flags.writeable for b in bufs.values())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp6_e3m2"])
+def test_from_buffers_borrows_zero_copy(fmt, rng):
+    n, k = 20, 70
+    pw, _ = make_weight(rng, fmt, n, k)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = _C.gemm(pw, x)
+    copies = {name: np.array(b) for name, b in pw.buffers().items()}  # e.g. read from a file
+    del pw
+    pw2 = _C.PackedWeight.from_buffers(fmt, n, k, copies)
+    views = pw2.buffers()
+    for name, arr in copies.items():
+        assert views[name].__array_interface__["data"][0] == arr.__array_interface__["data"][0]
+    del copies, views  # the packed weight keeps the borrowed arrays alive
+    np.testing.assert_array_equal(_C.gemm(pw2, x), want)
+    pw3 = _C.PackedWeight.from_buffers(fmt, n, k, {nm: bytes(b) for nm, b in pw2.buffers().items()})
+    np.testing.assert_array_equal(_C.gemm(pw3, x), want)
+
+
+def test_bad_inputs_raise_value_error(rng):
+    pw, _ = make_weight(rng, "bf16", 16, 64)
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError):
+        _C.gemm(pw, x.astype(np.float64))
+    with pytest.raises(ValueError):
+        _C.gemm(pw, np.zeros((2, 63), np.float32))
+    with pytest.raises(ValueError):
+        _C.gemm(pw, np.zeros(64, np.float32))
+    with pytest.raises(ValueError):
+        _C.gemm(pw, x, out=np.zeros((2, 15), np.float32))
+    with pytest.raises(ValueError):
+        _C.gemm(pw, x, out=np.zeros((2, 16), np.float64))
+    with pytest.raises(ValueError):
+        _C.gemm(pw, np.zeros((64, 2), np.float32).T)
+    with pytest.raises(ValueError):
+        _C.gemm(pw, x, path="nope")
+    for p in ["avx2", "avx512", "avx512_bf16", "amx"]:
+        if p not in _C.gemm_paths(pw, 2):
+            with pytest.raises(ValueError):
+                _C.gemm(pw, x, path=p)
+    with pytest.raises(ValueError):
+        _C.pack_bf16(np.zeros((4, 4), np.float32))
+    with pytest.raises(ValueError):
+        _C.pack_bf16(np.zeros(4, np.uint16))
+    with pytest.raises(ValueError):
+        _C.pack_mx("mxfp4", np.zeros((4, 32), np.uint8), np.zeros((4, 1), np.uint8), 33)  # kpad 64
+    with pytest.raises(ValueError):
+        _C.pack_mx("mxfp4", np.full((4, 32), 16, np.uint8), np.zeros((4, 1), np.uint8), 32)
+    with pytest.raises(ValueError):
+        _C.pack_mx("mxfp4", np.zeros((4, 32), np.uint8), np.zeros((4, 2), np.uint8), 32)
+    with pytest.raises(ValueError):
+        _C.pack_mx("fp3", np.zeros((4, 32), np.uint8), np.zeros((4, 1), np.uint8), 32)
+    with pytest.raises(ValueError):
+        _C.pack_mx("bf16", np.zeros((4, 32), np.uint8), np.zeros((4, 1), np.uint8), 32)
+    bufs = {nm: np.array(b) for nm, b in pw.buffers().items()}
+    with pytest.raises(ValueError):
+        _C.PackedWeight.from_buffers("bf16", 16, 65, bufs)
+    with pytest.raises(ValueError):
+        _C.PackedWeight.from_buffers("mxfp4", 16, 64, bufs)
+    with pytest.raises(ValueError):
+        _C.PackedWeight.from_buffers("bf16", 16, 64, {"data": bufs["data"][:-1]})
+
+
+# --------------------------------------------------------------------------- ref vs float64
+
+SHAPES = [(m, k, n) for m in (1, 3, 7, 17) for k in (32, 33, 96, 100, 4128) for n in (1, 15, 33)]
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_ref_matches_float64(fmt, rng):
+    for m, k, n in SHAPES[:: 3 if fmt != "bf16" else 1]:
+        pw, w = make_weight(rng, fmt, n, k)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = _C.gemm(pw, x, path="ref").astype(np.float64)
+        exact = x.astype(np.float64) @ w.T
+        bound = REF_VS_F64_TOL * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
+        if fmt == "mxfp4":
+            bound = bound + q8_error_bound(x.astype(np.float64), w)
+        err = np.abs(y - exact)
+        assert (err <= bound).all(), (fmt, m, k, n, (err / bound).max())
+
+
+def test_mxfp4_ref_is_q8_exact(rng):
+    """MXFP4 = x quantized per 32-block to int8 (RNE of x*127/amax), exact integer dots."""
+    m, k, n = 3, 96, 15
+    codes, scales = random_mx(rng, "mxfp4", n, k)
+    pw = _C.pack_mx("mxfp4", codes, scales, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xb = x.reshape(m, -1, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float32)
+    q = np.rint(xb * (np.float32(1) / d)).astype(np.float64)
+    xq = (q * d.astype(np.float64)).reshape(m, k)
+    exact = xq @ dequant("mxfp4", codes, scales, k).T
+    y = _C.gemm(pw, x, path="ref")
+    np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-6 * np.abs(exact).max())
+
+
+def test_special_values(rng):
+    k, n = 64, 16
+    # E8M0 0xFF is NaN: its row is NaN; 0x00 is 2^-127 (tiny, not zero).
+    codes, scales = random_mx(rng, "mxfp4", n, k)
+    scales[3, 1] = 255
+    scales[5, :] = 0
+    codes[5, :] = 7  # 6.0
+    pw = _C.pack_mx("mxfp4", codes, scales, k)
+    x = np.ones((2, k), np.float32)
+    for p in paths_for(pw, 2):
+        y = _C.gemm(pw, x, path=p)
+        assert np.isnan(y[:, 3]).all() and np.isfinite(np.delete(y, 3, axis=1)).all()
+        np.testing.assert_allclose(y[:, 5], 6.0 * 64 * 2.0 ** -127, rtol=1e-5)  # Q8: d = 1/127
+    # E4M3 NaN code -> NaN; E5M2 Inf code -> Inf
+    for fmt, code, check in [("mxfp8_e4m3", 0x7F, np.isnan), ("mxfp8_e5m2", 0x7C, np.isinf)]:
+        codes, scales = random_mx(rng, fmt, n, k)
+        codes[2, 10] = code
+        pw = _C.pack_mx(fmt, codes, scales, k)
+        for p in paths_for(pw, 2):
+            y = _C.gemm(pw, x, path=p)
+            assert check(y[:, 2]).all() and np.isfinite(np.delete(y, 2, axis=1)).all()
+
+
+# ------------------------------------------------------------------------ fast paths vs ref
+
+
+def assert_close_to_ref(path, y, yref, x, w):
+    tol = PATH_VS_REF_TOL[path]
+    if tol == 0.0:
+        np.testing.assert_array_equal(y, yref, err_msg=path)
+    else:
+        bound = tol * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
+        assert (np.abs(y.astype(np.float64) - yref) <= bound).all(), path
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_paths_match_ref_awkward_shapes(fmt, rng):
+    for m, k, n in SHAPES:
+        pw, w = make_weight(rng, fmt, n, k)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        yref = _C.gemm(pw, x, path="ref")
+        for p in paths_for(pw, m)[1:]:
+            assert_close_to_ref(p, _C.gemm(pw, x, path=p), yref, x, w)
+
+
+REAL_SHAPES = [(1536, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M up/down, LM head
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("n,k", REAL_SHAPES)
+def test_paths_match_ref_real_shapes(fmt, n, k, rng):
+    pw, w = make_weight(rng, fmt, n, k)
+    m = 5 if n < 10000 else 2  # the scalar ref is slow on the LM head
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    yref = _C.gemm(pw, x, path="ref")
+    out = np.empty((m, n), np.float32)
+    for p in paths_for(pw, m)[1:]:
+        assert _C.gemm(pw, x, out=out, path=p) is out
+        assert_close_to_ref(p, out, yref, x, w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_paths_match_ref_llama8b_shape(fmt, rng):
+    n, k = 14336, 4096
+    pw, w = make_weight(rng, fmt, n, k)
+    for m in (1, 9):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        yref = _C.gemm(pw, x, path="ref")
+        for p in paths_for(pw, m)[1:]:
+            assert_close_to_ref(p, _C.gemm(pw, x, path=p), yref, x, w)
+
+
+def test_prefill_sizes_match_ref(rng):
+    pw, w = make_weight(rng, "bf16", 40, 96)
+    for m in (65, 130):
+        x = rng.standard_normal((m, 96)).astype(np.float32)
+        yref = _C.gemm(pw, x, path="ref")
+        for p in paths_for(pw, m)[1:]:
+            assert_close_to_ref(p, _C.gemm(pw, x, path=p), yref, x, w)
+        assert _C.gemm_choose(pw, m) in paths_for(pw, m)
+
+
+# ----------------------------------------------------------------------- batch invariance
+
+
+def check_invariance(pw, k, rng, ms=(2, 5, 9, 17, 33, 64)):
+    row = rng.standard_normal((1, k)).astype(np.float32)
+    for p in paths_for(pw, 1):
+        alone = _C.gemm(pw, row, path=p)
+        for m in ms:
+            if p not in paths_for(pw, m):
+                continue
+            x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 1e3], size=(m, 1))).astype(np.float32)
+            for i in {0, m // 2, m - 1}:
+                xi = x.copy()
+                xi[i] = row[0]
+                y = _C.gemm(pw, xi, path=p)
+                np.testing.assert_array_equal(y[i], alone[0], err_msg=f"{p} m={m} row={i}")
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_batch_invariance(fmt, rng):
+    n, k = 72, 160  # several row blocks, ragged N tail
+    pw, _ = make_weight(rng, fmt, n, k)
+    check_invariance(pw, k, rng)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_batch_invariance_long_k(fmt, rng):
+    """Long K exercises the K-chunked loop of the M-blocked kernels."""
+    pw, _ = make_weight(rng, fmt, 48, 4128)
+    check_invariance(pw, 4128, rng, ms=(2, 5, 9))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp6_e2m3"])
+def test_thread_count_invariance(fmt, rng, threads):
+    n, k = 1000, 576
+    pw, _ = make_weight(rng, fmt, n, k)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    for p in paths_for(pw, 9):
+        _C.set_num_threads(1)
+        y1 = _C.gemm(pw, x, path=p)
+        _C.set_num_threads(2)
+        y2 = _C.gemm(pw, x, path=p)
+        np.testing.assert_array_equal(y1, y2, err_msg=p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_batch_invariance_exhaustive(fmt, rng):
+    for n, k in [(1, 32), (15, 33), (33, 4128), (576, 1536)]:
+        pw, _ = make_weight(rng, fmt, n, k)
+        check_invariance(pw, k, rng, ms=range(2, 65))
