@@ -469,8 +469,9 @@ def _write_tokenizer_and_configs(src: _Source, out: Path) -> None:
         "torch_dtype": "bfloat16",
         "qspec_source": {"file": src.path.name, "size": src.path.stat().st_size},
     }
-    if model_type == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
+    if model_type == "llama":  # some llama-architecture models carry q/k/v/o biases
+        has_bias = any(t.name.endswith(".attn_q.bias") for t in reader.tensors)
+        config.update(attention_bias=has_bias, mlp_bias=False)
     for k in ("bos", "eos", "pad"):
         if ids[k] is not None:
             config[f"{k}_token_id"] = ids[k]
