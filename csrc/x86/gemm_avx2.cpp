@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "gemm_internal.h"
@@ -15,6 +16,10 @@ namespace detail {
 namespace {
 
 constexpr int kMaxMB = 4;  // rows of x per register tile
+#ifndef QSPEC_PF
+#define QSPEC_PF 32
+#endif
+constexpr int64_t kPrefetchK = QSPEC_PF;  // software prefetch distance, in k (bf16: 64 B per k pair)
 
 // Output rows r of block group nbg (NB blocks): acc layout [m][kAccCols], column j*16 + r.
 inline float* acc_row(float* acc, int64_t i) { return acc + i * kAccCols; }
@@ -29,12 +34,25 @@ inline void store_rows(const GemmArgs& a, int64_t nb, int nbn, const float* acc)
 }
 
 // E8M0 bytes -> 8 floats 2^(s-127); 0x00 -> 2^-127 (subnormal), 0xFF -> NaN.
-inline __m256 e8m0x8(const uint8_t* p) {
+inline __m256 e8m0x8_special(const uint8_t* p) {
   const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   __m256i bits = _mm256_slli_epi32(s, 23);
   bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(s, _mm256_setzero_si256()));
   bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(s, _mm256_set1_epi32(255)));
   return _mm256_castsi256_ps(bits);
+}
+
+// The 16 scales of one block of rows; the 0x00 / 0xFF fix-ups only when one is present.
+inline void e8m0x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i special = _mm_or_si128(_mm_cmpeq_epi8(s, _mm_setzero_si128()), _mm_cmpeq_epi8(s, _mm_set1_epi8(-1)));
+  if (__builtin_expect(_mm_movemask_epi8(special) != 0, 0)) {
+    lo = e8m0x8_special(p);
+    hi = e8m0x8_special(p + 8);
+    return;
+  }
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(s), 23));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(s, s)), 23));
 }
 
 // ----------------------------------------------------------------------------- BF16
@@ -54,6 +72,7 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
   const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
   for (int64_t k = k0; k < k1; k += 2) {
     __m256 e[NB][2], o[NB][2];
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchK) * 16), _MM_HINT_T0);
     for (int j = 0; j < NB; ++j)
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + k * 16 + h * 16));
@@ -116,14 +135,15 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
           for (int h = 0; h < 2; ++h) c[i][j][h] = _mm256_fmadd_ps(v[j][h], xv, c[i][j][h]);
       }
     }
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = e8m0x8(s[j] + b * kRows + h * 8);
+    for (int j = 0; j < NB; ++j) {
+      __m256 d[2];
+      e8m0x16(s[j] + b * kRows, d[0], d[1]);
+      for (int h = 0; h < 2; ++h)
         for (int i = 0; i < MB; ++i) {
           float* pa = acc_row(acc, m0 + i) + j * 16 + h * 8;
-          _mm256_storeu_ps(pa, _mm256_fmadd_ps(_mm256_mul_ps(c[i][j][h], f), d, _mm256_loadu_ps(pa)));
+          _mm256_storeu_ps(pa, _mm256_fmadd_ps(_mm256_mul_ps(c[i][j][h], f), d[h], _mm256_loadu_ps(pa)));
         }
-      }
+    }
   }
 }
 
@@ -155,6 +175,8 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       __m256i s16[MB][NB][2];
       for (int g = 0; g < 4; ++g) {
         const int64_t slab = b * 8 + half * 4 + g;
+        if (g % 2 == 0)
+          for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (slab + 2 * kPrefetchK) * 32), _MM_HINT_T0);
         __m256i wl[NB], wh[NB];
         for (int j = 0; j < NB; ++j) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
@@ -180,13 +202,14 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
             isum[i][j][h] = half == 0 ? s32 : _mm256_add_epi32(isum[i][j][h], s32);
           }
     }
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = e8m0x8(s[j] + b * kRows + h * 8);
+    for (int j = 0; j < NB; ++j) {
+      __m256 d[2];
+      e8m0x16(s[j] + b * kRows, d[0], d[1]);
+      for (int h = 0; h < 2; ++h)
         for (int i = 0; i < MB; ++i) {
           const int64_t ib = (m0 + i) * kb + b;
           const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j][h], _mm256_set1_epi32(a.xc[ib])));
-          const __m256 dd = _mm256_mul_ps(d, _mm256_set1_ps(a.xd[ib]));
+          const __m256 dd = _mm256_mul_ps(d[h], _mm256_set1_ps(a.xd[ib]));
           float* pa = acc_row(acc, m0 + i) + j * 16 + h * 8;
           _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, dd, _mm256_loadu_ps(pa)));
         }
@@ -195,6 +218,11 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 }
 
 // ----------------------------------------------------------------------------- driver
+int env_int(const char* name, int dflt) {  // tuning knob, read once per call (cheap)
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+
 using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
 
 #define QSPEC_TILE_TABLE(name, tmpl)                                                        \
@@ -223,18 +251,21 @@ void gemm_blocks_avx2(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
                           : a.kind == kF16Shl ? kShlTiles
                           : a.kind == kF16Sra ? kSraTiles
                                               : kI8Tiles;
-  // Row blocks per register tile: more for M = 1 (independent FMA chains), 1 from M = 3.
-  const int nbmax = a.m == 1 ? 4 : a.m == 2 ? 2 : 1;
-  // With several row tiles of x, the weight chunk is re-read from L1: keep it ~16 KB.
-  const int64_t bytes_per_k = (a.kind == kBf16 ? 2 : a.kind == kQ4 ? 1 : 2) * 16 * nbmax;
-  int64_t kc = a.m <= kMaxMB ? a.kp : (16384 / bytes_per_k) / kKBlk * kKBlk;
+  // Register tiles (MB rows of x, NB row blocks): 8 fp32 accumulators for bf16 / FP8; the Q8
+  // kernel holds 4 int vectors per (row, block), so at most 2 rows or 2 blocks.
+  const bool q4 = a.kind == kQ4;
+  const int mbmax = q4 ? 2 : kMaxMB;
+  const int nbmax = env_int("QSPEC_NB", a.m == 1 ? (q4 ? 2 : 4) : a.m == 2 && !q4 ? 2 : 1);
+  // With several row tiles of x, a K chunk of weights and x is re-read from L1.
+  const int64_t bytes_per_k = (a.kind == kBf16 ? 2 : q4 ? 1 : 2) * 16 * nbmax + (q4 ? 1 : 4) * a.m;
+  int64_t kc = a.m <= mbmax ? a.kp : (env_int("QSPEC_L1", 16384) / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
   for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
     const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
     for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
       const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
-      for (int64_t m0 = 0; m0 < a.m; m0 += kMaxMB) {
-        const int mb = int(a.m - m0 < kMaxMB ? a.m - m0 : kMaxMB);
+      for (int64_t m0 = 0; m0 < a.m; m0 += mbmax) {
+        const int mb = int(a.m - m0 < mbmax ? a.m - m0 : mbmax);
         // Shapes missing from the table fall back to one block at a time: same arithmetic.
         TileFn fn = table[mb - 1][nbn - 1];
         if (fn) {
