@@ -1,0 +1,1 @@
+"""qspec microbenchmarks: `python -m bench.membw`, `python -m bench.kernels` (see bench/common.py)."""

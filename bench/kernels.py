@@ -1,0 +1,195 @@
+"""GEMM kernels vs measured read bandwidth and vs torch BF16 F.linear (same shape, same run,
+interleaved): `python -m bench.kernels [--threads N] [--quick] [--json PATH] [--plot PATH]`.
+
+Weights are SYNTHETIC (random) in the real shapes of SmolLM2-135M, Llama-3.2-1B and
+Llama-3-8B: they measure speed only. Each case rotates through enough copies of the weight
+to exceed the last-level cache, so bytes really come from DRAM (as in decoding).
+  gbps      = (packed weight bytes incl. scales + x + y) / median time
+  pct_of_bw = gbps / read bandwidth measured in the same run at the same thread count
+  vs_torch  = torch time / our time (> 1: we are faster)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.common import (JsonWriter, fmt_table, measure_bandwidth, parent_parser, print_header,
+                          reps_for, setup, time_interleaved)
+from qspec import _C
+
+# (model, layer, N, K): y[M, N] = x[M, K] @ W[N, K]^T
+MODELS = {
+    "SmolLM2-135M": [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576),
+                     ("down", 576, 1536), ("lm_head", 49152, 576)],
+    "Llama-3.2-1B": [("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048),
+                     ("down", 2048, 8192), ("lm_head", 128256, 2048)],
+    "Llama-3-8B": [("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096),
+                   ("down", 4096, 14336), ("lm_head", 128256, 4096)],
+}
+QUICK = [("SmolLM2-135M", "gate/up"), ("SmolLM2-135M", "lm_head"), ("Llama-3.2-1B", "gate/up"),
+         ("Llama-3-8B", "q/o")]
+MS = [1, 2, 4, 8, 16, 64, 256]
+QUICK_MS = [1, 2, 8, 64]
+FORMATS = ["bf16", "mxfp4", "mxfp6_e2m3", "mxfp8_e4m3"]
+QUICK_FORMATS = ["bf16", "mxfp4"]
+LLC_BYTES = 32 << 20
+ROTATE_BYTES = 3 * LLC_BYTES  # each case streams at least this many distinct bytes
+
+
+def synthetic_weight(rng, fmt: str, n: int, k: int, wbits: np.ndarray):
+    """Packed weight of random values in a realistic range (BF16 bits shared with torch)."""
+    if fmt == "bf16":
+        return _C.pack_bf16(wbits)
+    bits = {"mxfp4": 4, "mxfp6_e2m3": 6, "mxfp6_e3m2": 6}.get(fmt, 8)
+    kp = (k + 31) // 32 * 32
+    codes = rng.integers(0, 1 << bits, size=(n, kp), dtype=np.uint8)
+    if fmt in ("mxfp8_e4m3", "mxfp8_e5m2"):
+        codes &= 0x3F  # no NaN / Inf codes
+    scales = rng.integers(118, 126, size=(n, kp // 32), dtype=np.uint8)
+    return _C.pack_mx(fmt, codes, scales, k)
+
+
+def copies_of(pw, nbytes: int) -> list:
+    """The packed weight plus borrowed copies until they span nbytes (defeats the LLC)."""
+    ws = [pw]
+    while len(ws) * pw.nbytes < nbytes:
+        ws.append(_C.PackedWeight.from_buffers(pw.fmt, pw.n, pw.k,
+                                               {k: np.array(v) for k, v in pw.buffers().items()}))
+    return ws
+
+
+class Rotating:
+    """Calls fn(item) cycling through items: one call of the benchmark."""
+
+    def __init__(self, items, fn):
+        self.items, self.fn, self.i = items, fn, 0
+
+    def __call__(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.fn(self.items[self.i])
+
+
+def run(args) -> list[dict]:
+    threads = setup(args)
+    ctx = print_header(args, "GEMM kernels vs read bandwidth and torch F.linear (synthetic weights)")
+    bw = measure_bandwidth(threads, (256 << 20) if args.quick else (1 << 30))
+    print(f"# measured read bandwidth, {threads} thread(s): {bw:.1f} GB/s")
+    rng = np.random.default_rng(0)
+    cases = [(mdl, lay, n, k) for mdl, layers in MODELS.items() for lay, n, k in layers
+             if not args.quick or (mdl, lay) in QUICK]
+    ms = QUICK_MS if args.quick else MS
+    formats = QUICK_FORMATS if args.quick else FORMATS
+    budget = 0.15 if args.quick else 0.5
+    rows = []
+    with JsonWriter(args.json, ctx) as out:
+        for mdl, lay, n, k in cases:
+            wbits = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).view(np.uint32)
+            wbits = ((wbits + 0x7FFF + ((wbits >> 16) & 1)) >> 16).astype(np.uint16)
+            tw = torch.from_numpy(wbits.view(np.int16)).view(torch.bfloat16)
+            tbytes = tw.numel() * 2
+            tws = [tw] + [tw.clone() for _ in range(max(0, -(-ROTATE_BYTES // tbytes) - 1))]
+            for fmt in formats:
+                ws = copies_of(synthetic_weight(rng, fmt, n, k, wbits), ROTATE_BYTES)
+                for m in ms:
+                    if m >= 64 and n * k > 64e6 and args.quick:
+                        continue
+                    x = rng.standard_normal((m, k), dtype=np.float32)
+                    tx = torch.from_numpy(x).to(torch.bfloat16)
+                    y = np.empty((m, n), np.float32)
+                    paths = [p for p in _C.gemm_paths(ws[0], m) if p != "ref"]
+                    fns = {p: Rotating(ws, lambda w, p=p: _C.gemm(w, x, y, p)) for p in paths}
+                    with torch.inference_mode():
+                        fns["torch"] = Rotating(tws, lambda w: F.linear(tx, w))
+                        reps = min(reps_for(f, budget / len(fns)) for f in fns.values())
+                        st = time_interleaved(fns, warmup=1, reps=reps)
+                    nbytes = ws[0].nbytes + 4 * m * (k + n)
+                    for p in paths:
+                        s = st[p].median
+                        gbps = nbytes / s / 1e9
+                        row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": p, "isa": p,
+                               "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
+                               "synthetic": True, "m": m, "k": k, "n": n, "threads": threads,
+                               "us_median": s * 1e6, "us_min": st[p].min * 1e6,
+                               "us_max": st[p].max * 1e6, "reps": st[p].n, "bytes": nbytes,
+                               "gbps": gbps, "pct_of_bw": 100 * gbps / bw, "bw_gbps": bw,
+                               "tflops": 2 * m * n * k / s / 1e12,
+                               "us_torch": st["torch"].median * 1e6,
+                               "vs_torch": st["torch"].median / s}
+                        rows.append(row)
+                        out.write(row)
+                        print(f"{mdl:13s} {lay:8s} {fmt:11s} {p:6s} M={m:<4d} {n:6d}x{k:<6d} "
+                              f"{s * 1e6:9.1f} us {gbps:6.1f} GB/s {row['pct_of_bw']:5.0f}% "
+                              f"{row['tflops'] * 1e3:6.1f} GFLOP/s  torch {row['us_torch']:9.1f} us "
+                              f"x{row['vs_torch']:.2f}", flush=True)
+                del ws
+    summarize(rows)
+    if args.plot:
+        plot(rows, args.plot, ctx, bw)
+    return rows
+
+
+def summarize(rows: list[dict]) -> None:
+    """M=8 / M=1 time ratio per (shape, format) for the dispatcher's path."""
+    by = {}
+    for r in rows:
+        if r["chosen"]:
+            by.setdefault((r["model"], r["layer"], r["fmt"]), {})[r["m"]] = r
+    table = []
+    for (mdl, lay, fmt), d in by.items():
+        if 1 in d:
+            table.append({"model": mdl, "layer": lay, "fmt": fmt, "path": d[1]["path"],
+                          "M1_us": d[1]["us_median"], "M1_pct_bw": d[1]["pct_of_bw"],
+                          "M1_vs_torch": d[1]["vs_torch"],
+                          "M8/M1": d[8]["us_median"] / d[1]["us_median"] if 8 in d else float("nan")})
+    print()
+    print(fmt_table(table, ["model", "layer", "fmt", "path", "M1_us", "M1_pct_bw", "M1_vs_torch", "M8/M1"]))
+
+
+def plot(rows: list[dict], path: str, ctx: dict, bw: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    chosen = [r for r in rows if r["chosen"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for fmt in sorted({r["fmt"] for r in chosen}):
+        pts = [r for r in chosen if r["fmt"] == fmt and r["m"] == 1]
+        a1.plot(range(len(pts)), [r["pct_of_bw"] for r in pts], "o-", label=fmt)
+        a1.set_xticks(range(len(pts)), [f"{r['model'].split('-')[0][:6]}\n{r['layer']}\n{r['n']}x{r['k']}"
+                                        for r in pts], fontsize=6)
+    a1.axhline(85, color="gray", ls="--", lw=0.8)
+    a1.set_ylabel(f"% of measured read BW ({bw:.1f} GB/s)")
+    a1.set_title("M = 1 (decode)")
+    a1.legend()
+    big = max(chosen, key=lambda r: (r["n"] * r["k"] if r["n"] < 100000 else 0))
+    for fmt in sorted({r["fmt"] for r in chosen}):
+        pts = sorted((r for r in chosen if r["fmt"] == fmt and (r["n"], r["k"]) == (big["n"], big["k"])),
+                     key=lambda r: r["m"])
+        a2.plot([r["m"] for r in pts], [r["us_median"] for r in pts], "o-", label=f"qspec {fmt}")
+    tp = sorted({r["m"]: r for r in chosen if (r["n"], r["k"]) == (big["n"], big["k"])}.values(),
+                key=lambda r: r["m"])
+    a2.plot([r["m"] for r in tp], [r["us_torch"] for r in tp], "k--", label="torch bf16 F.linear")
+    a2.set_xscale("log", base=2)
+    a2.set_yscale("log")
+    a2.set_xlabel("M (rows of x)")
+    a2.set_ylabel("time per GEMM (us)")
+    a2.set_title(f"{big['model']} {big['layer']} {big['n']}x{big['k']}")
+    a2.legend(fontsize=7)
+    fig.suptitle(f"{ctx['cpu']} isa={ctx['isa']} threads={ctx['threads']} commit={ctx['commit']} (synthetic weights)",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser()],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
