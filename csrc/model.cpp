@@ -1,4 +1,295 @@
+// Native forward pass of a Llama-family decoder over the shared KV cache.
+//
+// One call runs M tokens (decode M=1, verify M=K+1, prefill M=prompt) through every layer:
+// embedding -> [RMSNorm -> QKV GEMM -> RoPE -> K/V rows into the cache -> attention -> O GEMM
+// -> RMSNorm -> gate|up GEMM -> SiLU*up -> down GEMM] x L -> RMSNorm -> LM head.
+// Two weight sets share everything but the GEMM weights: "target" (BF16) and "draft" (MX).
+// Every step works row by row in a fixed order, so each row's result is independent of M
+// (DESIGN.md invariant 2) as long as the GEMM and attention kernels are.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention.h"
 #include "bindings.h"
+#include "gemm.h"
+
+namespace py = pybind11;
+
 namespace qspec {
-void bind_model(pybind11::module_& m) {}  // placeholder until the subsystem lands
+namespace {
+
+struct LayerSet {
+  std::shared_ptr<PackedWeight> wqkv, wo, wgu, wdown;  // [q;k;v], o, [gate;up], down
+};
+
+struct WeightSet {
+  std::vector<LayerSet> layers;
+  std::shared_ptr<PackedWeight> lm_head;
+  bool complete(int64_t n_layers) const {
+    if (!lm_head || int64_t(layers.size()) != n_layers) return false;
+    for (const auto& l : layers)
+      if (!l.wqkv || !l.wo || !l.wgu || !l.wdown) return false;
+    return true;
+  }
+};
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * r * w[i];
+}
+
+// Rotate-half RoPE (HF Llama): (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) per head.
+void rope(float* x, int64_t heads, int64_t hd, const float* cos, const float* sin) {
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * hd;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] - b * sin[i];
+      v[i + half] = b * cos[i] + a * sin[i];
+    }
+  }
+}
+
+class Model {
+ public:
+  Model(const py::dict& cfg, py::array_t<uint16_t, py::array::c_style> embed,
+        py::array_t<float, py::array::c_style> norm)
+      : embed_(embed), norm_(norm.data(), norm.data() + norm.size()) {
+    d_ = cfg["hidden_size"].cast<int64_t>();
+    f_ = cfg["intermediate_size"].cast<int64_t>();
+    n_layers_ = cfg["n_layers"].cast<int64_t>();
+    n_heads_ = cfg["n_heads"].cast<int64_t>();
+    n_kv_ = cfg["n_kv_heads"].cast<int64_t>();
+    hd_ = cfg["head_dim"].cast<int64_t>();
+    vocab_ = cfg["vocab_size"].cast<int64_t>();
+    eps_ = cfg["rms_norm_eps"].cast<float>();
+    if (embed.ndim() != 2 || embed.shape(0) != vocab_ || embed.shape(1) != d_)
+      throw std::invalid_argument("embed must be uint16 (bf16 bits) [vocab, hidden]");
+    if (int64_t(norm_.size()) != d_) throw std::invalid_argument("norm must be float32 [hidden]");
+    sets_[0].layers.resize(n_layers_);
+    sets_[1].layers.resize(n_layers_);
+    attn_norm_.resize(n_layers_);
+    mlp_norm_.resize(n_layers_);
+    bqkv_.resize(n_layers_);
+  }
+
+  void set_layer(int set, int64_t i, std::shared_ptr<PackedWeight> wqkv, std::shared_ptr<PackedWeight> wo,
+                 std::shared_ptr<PackedWeight> wgu, std::shared_ptr<PackedWeight> wdown) {
+    check_set(set);
+    if (i < 0 || i >= n_layers_) throw std::invalid_argument("layer index out of range");
+    const int64_t qkv = (n_heads_ + 2 * n_kv_) * hd_;
+    check_shape(*wqkv, qkv, d_, "wqkv");
+    check_shape(*wo, d_, n_heads_ * hd_, "wo");
+    check_shape(*wgu, 2 * f_, d_, "w_gate_up");
+    check_shape(*wdown, d_, f_, "w_down");
+    sets_[set].layers[i] = {wqkv, wo, wgu, wdown};
+  }
+
+  void set_layer_norms(int64_t i, py::array_t<float, py::array::c_style> attn_norm,
+                       py::array_t<float, py::array::c_style> mlp_norm, py::object bqkv) {
+    if (i < 0 || i >= n_layers_) throw std::invalid_argument("layer index out of range");
+    if (attn_norm.size() != d_ || mlp_norm.size() != d_) throw std::invalid_argument("norms must be [hidden]");
+    attn_norm_[i].assign(attn_norm.data(), attn_norm.data() + d_);
+    mlp_norm_[i].assign(mlp_norm.data(), mlp_norm.data() + d_);
+    bqkv_[i].clear();
+    if (!bqkv.is_none()) {
+      auto b = bqkv.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+      if (b.size() != (n_heads_ + 2 * n_kv_) * hd_) throw std::invalid_argument("bqkv must be [(H+2KVH)*hd]");
+      bqkv_[i].assign(b.data(), b.data() + b.size());
+    }
+  }
+
+  void set_lm_head(int set, std::shared_ptr<PackedWeight> w) {
+    check_set(set);
+    check_shape(*w, vocab_, d_, "lm_head");
+    sets_[set].lm_head = w;
+  }
+
+  void set_rope(py::array_t<float, py::array::c_style> cos, py::array_t<float, py::array::c_style> sin) {
+    if (cos.ndim() != 2 || cos.shape(1) != hd_ / 2 || sin.ndim() != 2 || sin.shape(0) != cos.shape(0) ||
+        sin.shape(1) != hd_ / 2)
+      throw std::invalid_argument("rope tables must be float32 [positions, head_dim/2]");
+    cos_.assign(cos.data(), cos.data() + cos.size());
+    sin_.assign(sin.data(), sin.data() + sin.size());
+    rope_positions_ = cos.shape(0);
+  }
+
+  bool has_set(int set) const {
+    check_set(set);
+    return sets_[set].complete(n_layers_);
+  }
+
+  // tokens [m] at positions start_pos..; logits [m or 1, vocab]. Returns seconds per phase.
+  void forward(const int32_t* tokens, int64_t m, int64_t start_pos, const KvCacheView& kv, int set,
+               bool all_logits, float* logits) {
+    const WeightSet& ws = sets_[set];
+    const int64_t qkv_n = (n_heads_ + 2 * n_kv_) * hd_, q_n = n_heads_ * hd_, kv_n = n_kv_ * hd_;
+    h_.resize(m * d_);
+    x_.resize(m * d_);
+    qkv_.resize(m * qkv_n);
+    q_.resize(m * q_n);
+    att_.resize(m * q_n);
+    gu_.resize(m * 2 * f_);
+    act_.resize(m * f_);
+    tmp_.resize(m * std::max(d_, int64_t(1)));
+    const uint16_t* emb = embed_.data();
+    for (int64_t r = 0; r < m; ++r) {
+      const uint16_t* e = emb + int64_t(tokens[r]) * d_;
+      for (int64_t i = 0; i < d_; ++i) h_[r * d_ + i] = bf16_to_f32(e[i]);
+    }
+    const int64_t half = hd_ / 2;
+    for (int64_t l = 0; l < n_layers_; ++l) {
+      const LayerSet& L = ws.layers[l];
+      for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]);
+      gemm(*L.wqkv, x_.data(), m, d_, qkv_.data(), qkv_n);
+      for (int64_t r = 0; r < m; ++r) {
+        float* row = &qkv_[r * qkv_n];
+        if (!bqkv_[l].empty())
+          for (int64_t i = 0; i < qkv_n; ++i) row[i] += bqkv_[l][i];
+        const int64_t pos = start_pos + r;
+        const float* c = &cos_[pos * half];
+        const float* s = &sin_[pos * half];
+        rope(row, n_heads_ + n_kv_, hd_, c, s);  // q heads then k heads are contiguous
+        std::memcpy(&q_[r * q_n], row, q_n * sizeof(float));
+        uint16_t* kd = kv.k(l, pos);
+        uint16_t* vd = kv.v(l, pos);
+        for (int64_t i = 0; i < kv_n; ++i) {
+          kd[i] = f32_to_bf16(row[q_n + i]);
+          vd[i] = f32_to_bf16(row[q_n + kv_n + i]);
+        }
+      }
+      AttnArgs a;
+      a.q = q_.data();
+      a.out = att_.data();
+      a.m = m;
+      a.start_pos = start_pos;
+      a.n_heads = n_heads_;
+      a.layer = l;
+      a.scale = 1.0f / std::sqrt(float(hd_));
+      a.kv = kv;
+      attention(a);
+      gemm(*L.wo, att_.data(), m, q_n, tmp_.data(), d_);
+      for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
+      for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]);
+      gemm(*L.wgu, x_.data(), m, d_, gu_.data(), 2 * f_);
+      for (int64_t r = 0; r < m; ++r) {
+        const float* g = &gu_[r * 2 * f_];
+        const float* u = g + f_;
+        float* o = &act_[r * f_];
+        for (int64_t i = 0; i < f_; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      }
+      gemm(*L.wdown, act_.data(), m, f_, tmp_.data(), d_);
+      for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
+    }
+    const int64_t first = all_logits ? 0 : m - 1, rows = m - first;
+    for (int64_t r = first; r < m; ++r) rms_norm(&h_[r * d_], norm_.data(), eps_, d_, &x_[(r - first) * d_]);
+    gemm(*ws.lm_head, x_.data(), rows, d_, logits, vocab_);
+  }
+
+  int64_t vocab() const { return vocab_; }
+  int64_t n_layers() const { return n_layers_; }
+  int64_t n_kv() const { return n_kv_; }
+  int64_t head_dim() const { return hd_; }
+  int64_t rope_positions() const { return rope_positions_; }
+  static void check_set(int set) {
+    if (set != 0 && set != 1) throw std::invalid_argument("weight set must be 0 (target) or 1 (draft)");
+  }
+
+ private:
+  static void check_shape(const PackedWeight& w, int64_t n, int64_t k, const char* what) {
+    if (w.n != n || w.k != k)
+      throw std::invalid_argument(std::string(what) + ": packed weight has shape [" + std::to_string(w.n) +
+                                  ", " + std::to_string(w.k) + "], expected [" + std::to_string(n) + ", " +
+                                  std::to_string(k) + "]");
+  }
+
+  py::array_t<uint16_t, py::array::c_style> embed_;  // keeps the BF16 embedding alive
+  std::vector<float> norm_;
+  int64_t d_ = 0, f_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, hd_ = 0, vocab_ = 0;
+  float eps_ = 1e-5f;
+  WeightSet sets_[2];
+  std::vector<std::vector<float>> attn_norm_, mlp_norm_, bqkv_;
+  std::vector<float> cos_, sin_;
+  int64_t rope_positions_ = 0;
+  std::vector<float> h_, x_, qkv_, q_, att_, gu_, act_, tmp_;  // scratch, reused across calls
+};
+
+}  // namespace
+
+void bind_model(py::module_& m) {
+  py::class_<Model>(m, "Model", "Native Llama-family forward over the shared KV cache")
+      .def(py::init<const py::dict&, py::array_t<uint16_t, py::array::c_style>,
+                    py::array_t<float, py::array::c_style>>(),
+           py::arg("config"), py::arg("embed"), py::arg("norm"))
+      .def("set_layer", &Model::set_layer, py::arg("set"), py::arg("layer"), py::arg("wqkv"), py::arg("wo"),
+           py::arg("w_gate_up"), py::arg("w_down"))
+      .def("set_layer_norms", &Model::set_layer_norms, py::arg("layer"), py::arg("attn_norm"),
+           py::arg("mlp_norm"), py::arg("bqkv") = py::none())
+      .def("set_lm_head", &Model::set_lm_head, py::arg("set"), py::arg("w"))
+      .def("set_rope", &Model::set_rope, py::arg("cos"), py::arg("sin"))
+      .def("has_set", &Model::has_set, py::arg("set"))
+      .def_property_readonly("rope_positions", &Model::rope_positions)
+      .def(
+          "forward",
+          [](Model& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start_pos,
+             py::array_t<uint16_t, py::array::c_style> kv, int set, bool all_logits,
+             py::array_t<float, py::array::c_style> out) {
+            Model::check_set(set);
+            if (!self.has_set(set)) throw std::invalid_argument("weight set is not fully loaded");
+            const int64_t m = tokens.size();
+            if (m < 1) throw std::invalid_argument("forward needs at least one token");
+            if (kv.ndim() != 5 || kv.shape(0) != self.n_layers() || kv.shape(1) != 2 ||
+                kv.shape(3) != self.n_kv() || kv.shape(4) != self.head_dim())
+              throw std::invalid_argument("kv must be uint16 [layers, 2, capacity, kv_heads, head_dim]");
+            if (start_pos < 0 || start_pos + m > kv.shape(2))
+              throw std::invalid_argument("positions exceed the KV cache capacity");
+            if (start_pos + m > self.rope_positions())
+              throw std::invalid_argument("positions exceed the RoPE table");
+            const int64_t rows = all_logits ? m : 1;
+            if (out.ndim() != 2 || out.shape(0) < rows || out.shape(1) != self.vocab())
+              throw std::invalid_argument("out must be float32 [rows, vocab]");
+            const int32_t* t = tokens.data();
+            for (int64_t i = 0; i < m; ++i)
+              if (t[i] < 0 || t[i] >= self.vocab()) throw std::invalid_argument("token id outside the vocabulary");
+            KvCacheView view;
+            view.data = kv.mutable_data();
+            view.layers = kv.shape(0);
+            view.max_seq = kv.shape(2);
+            view.kv_heads = kv.shape(3);
+            view.head_dim = kv.shape(4);
+            float* o = out.mutable_data();
+            py::gil_scoped_release release;
+            self.forward(t, m, start_pos, view, set, all_logits, o);
+          },
+          py::arg("tokens"), py::arg("start_pos"), py::arg("kv"), py::arg("set"), py::arg("all_logits"),
+          py::arg("out"));
+}
+
 }  // namespace qspec
