@@ -64,7 +64,7 @@ def test_corrupt_safetensors(tiny_copy, damage):
     f = tiny_copy / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"\x00" * 64,
-                   "header": data[:8] + b"{" + data[9:]}[damage])
+                   "header": data[:8] + b"X" + data[9:]}[damage])
     with pytest.raises(ModelLoadError, match="model.safetensors"):
         qspec.load(tiny_copy)
 
