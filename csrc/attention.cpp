@@ -113,30 +113,39 @@ void run_ref(const AttnArgs& a) {
   }
 }
 
-// Fast paths: work units are (KV head, contiguous range of its m·G pairs). Each unit streams the
-// K/V of its KV head once for all its pairs. How pairs are grouped into units (it follows m and
-// the thread count, for load balance) never changes a pair's arithmetic (see attention.h).
+// Fast paths: work units are (KV head, contiguous range of rows), each covering all G query
+// heads of those rows, so one unit streams the K/V of its KV head once for G · rows pairs.
+// Each unit pays one pass over its K/V blocks (BF16 -> FP32 conversion), so units are kept as
+// large as load balance allows: one per KV head single-threaded; otherwise the fewest row chunks
+// giving at least ~2 units per thread and a unit count divisible by the thread count (capped at
+// m). How pairs are grouped never changes a pair's arithmetic (see attention.h), so this may
+// follow m and the thread count freely.
 void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   const int64_t group = a.n_heads / a.kv.kv_heads;
-  const int64_t pairs = a.m * group;  // per KV head
+  const int64_t kvh = a.kv.kv_heads;
   const int64_t nt = omp_get_max_threads();
-  // One chunk per KV head when single-threaded (K/V read once); otherwise enough chunks for
-  // about 4 units per thread (splitting costs one more BF16->FP32 conversion of the K/V blocks).
-  int64_t chunks = nt <= 1 ? 1 : (4 * nt + a.kv.kv_heads - 1) / a.kv.kv_heads;
-  if (chunks > pairs) chunks = pairs;
-  const int64_t units = a.kv.kv_heads * chunks;
+  int64_t chunks = 1;
+  if (nt > 1) {
+    chunks = (2 * nt + kvh - 1) / kvh;
+    for (int64_t c = chunks; c < chunks + nt; ++c)
+      if ((kvh * c) % nt == 0) {
+        chunks = c;
+        break;
+      }
+    if (chunks > a.m) chunks = a.m;
+  }
+  const int64_t units = kvh * chunks;
+  auto unit = [&](int64_t w) {
+    const int64_t c = w % chunks;
+    const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
+    fn(a, w / chunks, r0 * group, r1 * group);
+  };
   if (nt <= 1 || units == 1) {
-    for (int64_t w = 0; w < units; ++w) {
-      const int64_t c = w % chunks;
-      fn(a, w / chunks, c * pairs / chunks, (c + 1) * pairs / chunks);
-    }
+    for (int64_t w = 0; w < units; ++w) unit(w);
     return;
   }
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t w = 0; w < units; ++w) {
-    const int64_t c = w % chunks;
-    fn(a, w / chunks, c * pairs / chunks, (c + 1) * pairs / chunks);
-  }
+  for (int64_t w = 0; w < units; ++w) unit(w);
 }
 
 }  // namespace

@@ -275,6 +275,72 @@ def test_dispatcher_ignores_m():
                                       bits(batch[i]))
 
 
+# The fast paths compute every (row, head) pair of one KV head in one task, streaming K/V blocks
+# once for all of them, and group pairs into tasks by m and thread count. A row must still come
+# out bit-identical to computing it alone (m = 1): grid over m, start_pos (block boundaries at
+# multiples of 8 and the 64/32-key super-blocks), thread counts, GQA shapes and awkward head_dims,
+# with garbage in the other rows and NaN/inf in every cache row past the batch's last position.
+GRID_MS = [2, 3, 5, 8, 9, 16, 17, 33]
+GRID_START_POS = [0, 1, 7, 8, 63, 64, 65, 127, 300]
+GRID_SHAPES = {"smollm2": SMOLLM2, "llama3_8b": LLAMA3_8B, "gqa_24": (6, 2, 24),
+               "gqa_72": (5, 1, 72)}
+
+
+def _q_at(p, n_heads, head_dim):
+    """The query of position p (the same for the batched and the alone call)."""
+    return make_q(1, n_heads, head_dim, seed=1000 + p)[0]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape_name", list(GRID_SHAPES))
+def test_batched_rows_bit_identical_to_m1(path, shape_name, threads):
+    if path == "ref" and shape_name == "llama3_8b":
+        pytest.skip("scalar reference on 32/8/128: covered by test_row_independent_of_batch")
+    n_heads, kv_heads, head_dim = GRID_SHAPES[shape_name]
+    kv = make_cache(kv_heads, head_dim, max_seq=400)
+    last = max(GRID_START_POS) + max(GRID_MS)
+    qs = np.stack([_q_at(p, n_heads, head_dim) for p in range(last)])
+    threads(1)
+    alone = [_C.attention(qs[p:p + 1], kv, 1, p, path=path)[0] for p in range(last)]
+    ms = GRID_MS if path != "ref" else [2, 9, 33]
+    sps = GRID_START_POS if path != "ref" else [0, 7, 65]
+    for t in [1, 2, 3, 4]:
+        threads(t)
+        for m in ms:
+            for sp in sps:
+                poisoned = kv.copy()
+                poisoned[:, :, sp + m:] = BF16_NAN
+                poisoned[:, :, sp + m::3] = BF16_INF
+                poisoned[0] = BF16_NAN
+                for parity in (0, 1):
+                    q = qs[sp:sp + m].copy()
+                    bad = np.arange(m) % 2 != parity
+                    q[bad] = _garbage_rows(q, np.zeros(m, bool), seed=m + sp)[bad]
+                    out = _C.attention(q, poisoned, 1, sp, path=path)
+                    for i in np.flatnonzero(~bad):
+                        np.testing.assert_array_equal(
+                            bits(out[i]), bits(alone[sp + i]),
+                            err_msg=f"threads={t} m={m} start_pos={sp} row {i}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_head_of_a_group_is_computed(path, threads):
+    # One task covers all G heads of its rows: each head must get its own q and output slot.
+    n_heads, kv_heads, head_dim = SMOLLM2
+    kv = make_cache(kv_heads, head_dim)
+    q = make_q(5, n_heads, head_dim, seed=3)
+    for t in [1, 2, 3]:
+        threads(t)
+        got = _C.attention(q, kv, 1, 40, path=path)
+        np.testing.assert_allclose(got, attention_f64(q, kv, 1, 40), **TOL_F32_VS_F64)
+        for h in range(n_heads):  # changing one head's q changes no other head's output
+            q2 = q.copy()
+            q2[:, h] = make_q(5, 1, head_dim, seed=50 + h)[:, 0]
+            out2 = _C.attention(q2, kv, 1, 40, path=path)
+            others = [x for x in range(n_heads) if x != h]
+            np.testing.assert_array_equal(bits(out2[:, others]), bits(got[:, others]))
+
+
 # ------------------------------------------------------------------ causal mask
 
 
