@@ -311,9 +311,9 @@ bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
     case GemmPath::ref: return true;
     case GemmPath::avx2: return isa >= int(Isa::avx2);
     case GemmPath::avx512: return isa >= int(Isa::avx512);
-    case GemmPath::avx512_bf16: return false && isa >= int(Isa::avx512_bf16) && w.fmt == WFormat::bf16;
+    case GemmPath::avx512_bf16: return isa >= int(Isa::avx512_bf16) && w.fmt == WFormat::bf16;
     // Tiles pay only for prefill; decode/verify (M <= 64) never changes path (gemm.h).
-    case GemmPath::amx: return false && isa >= int(Isa::amx) && w.fmt == WFormat::bf16 && m > 64;
+    case GemmPath::amx: return isa >= int(Isa::amx) && w.fmt == WFormat::bf16 && m > 64;
   }
   return false;
 }

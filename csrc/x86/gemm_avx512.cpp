@@ -1,12 +1,278 @@
-// AVX-512 GEMM kernels (placeholder: the avx512 path runs the reference arithmetic, which it
-// must match bit for bit anyway; avx512_bf16 / amx are not offered by gemm_supports yet).
+// AVX-512 GEMM kernels (compiled with AVX-512F/BW/VL/DQ + AVX512-BF16; chosen at run time).
+//   avx512       one zmm = the 16 rows of a packed block; same FMA chains as ref (gemm.h),
+//                so bit-identical to ref and avx2 for every format.
+//   avx512_bf16  BF16 weights only: x rounded to bf16 by the driver, vdpbf16ps per k pair
+//                (one chain per output element over k pairs: batch invariant).
+// NOT RUN on the development machine (AMD Zen 3, no AVX-512): compiled, never executed there.
+// Everything here is static / anonymous-namespace except the entry points (gemm_internal.h).
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
 #include "gemm_internal.h"
 
 namespace qspec {
 namespace detail {
-void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
-  gemm_blocks_ref(a, nb0, nb1, acc);
+namespace {
+
+constexpr int64_t kPrefetchK = 32;
+
+inline float* acc_row(float* acc, int64_t i) { return acc + i * kAccCols; }
+
+inline void store_rows(const GemmArgs& a, int64_t nb, int nbn, const float* acc) {
+  const int64_t left = a.n - nb * kRows;
+  const int64_t cols = left < nbn * kRows ? left : nbn * kRows;
+  for (int64_t i = 0; i < a.m; ++i)
+    std::memcpy(a.y + i * a.ldy + nb * kRows, acc + i * kAccCols, size_t(cols) * 4);
 }
-void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {}
+
+// 16 E8M0 bytes -> 2^(s-127); 0x00 -> 2^-127, 0xFF -> NaN (as ref / avx2).
+inline __m512 e8m0x16(const uint8_t* p) {
+  const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512i bits = _mm512_slli_epi32(s, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(bits);
+}
+
+// ----------------------------------------------------------------------------- BF16, fp32 x
+template <int MB, int NB>
+void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  __m512 c[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_row(acc, m0 + i) + j * 16);
+  const uint16_t* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
+  const float* x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  const __m512i hi16 = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m512 e[NB], o[NB];
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchK) * 16), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(w[j] + k * 16);
+      e[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      o[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xe = _mm512_set1_ps(x[i][k]);
+      for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(e[j], xe, c[i][j]);
+      const __m512 xo = _mm512_set1_ps(x[i][k + 1]);
+      for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(o[j], xo, c[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_row(acc, m0 + i) + j * 16, c[i][j]);
+}
+
+// ----------------------------------------------------------------------------- BF16, bf16 x
+template <int MB, int NB>
+void dpbf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  __m512 c[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_row(acc, m0 + i) + j * 16);
+  const uint16_t* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
+  const uint16_t* x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.xbf + (m0 + i) * a.kp;
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m512i v[NB];
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchK) * 16), _MM_HINT_T0);
+      v[j] = _mm512_loadu_si512(w[j] + k * 16);
+    }
+    for (int i = 0; i < MB; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x[i] + k, 4);
+      const __m512i xp = _mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) c[i][j] = _mm512_dpbf16_ps(c[i][j], (__m512bh)v[j], (__m512bh)xp);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_row(acc, m0 + i) + j * 16, c[i][j]);
+}
+
+// ----------------------------------------------------------------------------- FP6/FP8/INT8
+template <int KIND>
+inline __m512 decode16(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (KIND == kI8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+  if (KIND == kF16Sra) h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(int16_t(0xBFFF)));
+  return _mm512_cvtph_ps(h);
+}
+
+template <int KIND, int MB, int NB>
+void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  const int64_t kb = a.kp / kKBlk;
+  if (init)
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
+  const uint8_t* w[NB];
+  const uint8_t* s[NB];
+  for (int j = 0; j < NB; ++j) {
+    w[j] = a.data + (nb + j) * a.kp * kRows;
+    s[j] = a.scales + (nb + j) * kb * kRows;
+  }
+  const float* x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  const __m512 f = _mm512_set1_ps(a.elem_factor);
+  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
+    __m512 c[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) c[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (b + 2) * kKBlk * kRows), _MM_HINT_T0);
+    for (int64_t k = b * kKBlk; k < (b + 1) * kKBlk; ++k) {
+      __m512 v[NB];
+      for (int j = 0; j < NB; ++j) v[j] = decode16<KIND>(w[j] + k * kRows);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xv = _mm512_set1_ps(x[i][k]);
+        for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(v[j], xv, c[i][j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 d = e8m0x16(s[j] + b * kRows);
+      for (int i = 0; i < MB; ++i) {
+        float* pa = acc_row(acc, m0 + i) + j * 16;
+        _mm512_storeu_ps(pa, _mm512_fmadd_ps(_mm512_mul_ps(c[i][j], f), d, _mm512_loadu_ps(pa)));
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- MXFP4 (Q8)
+// zmm = [low nibbles | high nibbles] of a 32-byte slab = rows 0-15 x 4 k, as avx2's two ymm.
+template <int MB, int NB>
+void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  const int64_t kb = a.kp / kKBlk;
+  if (init)
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
+  const uint8_t* w[NB];
+  const uint8_t* s[NB];
+  for (int j = 0; j < NB; ++j) {
+    w[j] = a.data + (nb + j) * (a.kp / 4) * 32;
+    s[j] = a.scales + (nb + j) * kb * kRows;
+  }
+  const int8_t* q[MB];
+  for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i ones = _mm512_set1_epi16(1);
+  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
+    __m512i isum[MB][NB];
+    for (int half = 0; half < 2; ++half) {
+      __m512i s16[MB][NB];
+      for (int g = 0; g < 4; ++g) {
+        const int64_t slab = b * 8 + half * 4 + g;
+        __m512i wv[NB];
+        for (int j = 0; j < NB; ++j) {
+          if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (slab + 2 * kPrefetchK) * 32), _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
+          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+          wv[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(both, low4));
+        }
+        for (int i = 0; i < MB; ++i) {
+          int32_t q4;
+          std::memcpy(&q4, q[i] + slab * 4, 4);
+          const __m512i xq = _mm512_set1_epi32(q4);
+          for (int j = 0; j < NB; ++j) {
+            const __m512i p = _mm512_maddubs_epi16(wv[j], xq);
+            s16[i][j] = g == 0 ? p : _mm512_add_epi16(s16[i][j], p);
+          }
+        }
+      }
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j) {
+          const __m512i s32 = _mm512_madd_epi16(s16[i][j], ones);
+          isum[i][j] = half == 0 ? s32 : _mm512_add_epi32(isum[i][j], s32);
+        }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 d = e8m0x16(s[j] + b * kRows);
+      for (int i = 0; i < MB; ++i) {
+        const int64_t ib = (m0 + i) * kb + b;
+        const __m512 fi = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][j], _mm512_set1_epi32(a.xc[ib])));
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib]));
+        float* pa = acc_row(acc, m0 + i) + j * 16;
+        _mm512_storeu_ps(pa, _mm512_fmadd_ps(fi, dd, _mm512_loadu_ps(pa)));
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- driver
+using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
+constexpr int kMB = 8, kNB = 4;
+
+template <template <int, int> class F>
+struct TileTable {
+  TileFn t[kMB][kNB];
+  template <int MB, int NB>
+  static void fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+    F<MB, NB>::run(a, nb, m0, k0, k1, acc, init);
+  }
+  template <int MB>
+  void row() {
+    t[MB - 1][0] = fn<MB, 1>;
+    t[MB - 1][1] = fn<MB, 2>;
+    t[MB - 1][2] = fn<MB, 3>;
+    t[MB - 1][3] = fn<MB, 4>;
+  }
+  TileTable() { row<1>(); row<2>(); row<3>(); row<4>(); row<5>(); row<6>(); row<7>(); row<8>(); }
+};
+
+template <int MB, int NB> struct Bf16T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
+template <int MB, int NB> struct DpT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { dpbf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
+template <int MB, int NB> struct Q4T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
+template <int MB, int NB> struct ShlT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Shl, MB, NB>(a, nb, m0, k0, k1, acc, init); } };
+template <int MB, int NB> struct SraT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Sra, MB, NB>(a, nb, m0, k0, k1, acc, init); } };
+template <int MB, int NB> struct I8T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kI8, MB, NB>(a, nb, m0, k0, k1, acc, init); } };
+
+// Register budget (32 zmm): MB*NB accumulators; Q8 needs 2 int vectors per (row, block).
+void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const TileFn (*table)[kNB],
+                int mbmax, int bytes_per_k16) {
+  const int nbmax = a.m == 1 ? 4 : a.m <= 4 ? 2 : 1;
+  const int64_t bytes_per_k = int64_t(bytes_per_k16) * nbmax + 4 * a.m;
+  int64_t kc = a.m <= mbmax ? a.kp : (32768 / bytes_per_k) / kKBlk * kKBlk;
+  if (kc < kKBlk) kc = kKBlk;
+  for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
+    const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
+    for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
+      const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
+      for (int64_t m0 = 0; m0 < a.m; m0 += mbmax) {
+        const int mb = int(a.m - m0 < mbmax ? a.m - m0 : mbmax);
+        table[mb - 1][nbn - 1](a, nb, m0, k0, k1, acc, k0 == 0);
+      }
+    }
+    store_rows(a, nb, nbn, acc);
+  }
+}
+
+const TileTable<Bf16T>& bf16_table() { static const TileTable<Bf16T> t; return t; }
+const TileTable<DpT>& dp_table() { static const TileTable<DpT> t; return t; }
+const TileTable<Q4T>& q4_table() { static const TileTable<Q4T> t; return t; }
+const TileTable<ShlT>& shl_table() { static const TileTable<ShlT> t; return t; }
+const TileTable<SraT>& sra_table() { static const TileTable<SraT> t; return t; }
+const TileTable<I8T>& i8_table() { static const TileTable<I8T> t; return t; }
+
+}  // namespace
+
+void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+  switch (a.kind) {
+    case kBf16: run_blocks(a, nb0, nb1, acc, bf16_table().t, a.m == 1 ? 1 : 6, 32); break;
+    case kQ4: run_blocks(a, nb0, nb1, acc, q4_table().t, 4, 16); break;
+    case kF16Shl: run_blocks(a, nb0, nb1, acc, shl_table().t, 6, 16); break;
+    case kF16Sra: run_blocks(a, nb0, nb1, acc, sra_table().t, 6, 16); break;
+    default: run_blocks(a, nb0, nb1, acc, i8_table().t, 6, 16); break;
+  }
+}
+
+void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+  run_blocks(a, nb0, nb1, acc, dp_table().t, a.m == 1 ? 1 : 6, 32);
+}
+
 }  // namespace detail
 }  // namespace qspec
