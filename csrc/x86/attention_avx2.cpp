@@ -1,16 +1,31 @@
 // AVX2 + FMA attention: one call computes several (row, head) pairs of ONE KV head (see
-// attention.h), head_dim a multiple of 8. Per pair, the three passes of attention.cpp:
-//   1. scores: keys in blocks of 8 counted from key 0; per key one FMA chain over head_dim in
-//      chunks of 8 (q·K lane-wise), the 8 keys' chains reduced by one fixed hadd tree, · scale;
-//   2. exp(s - max) with Σ as 8 lane-wise partial sums over blocks from key 0, then a fixed tree;
-//   3. per output column one FMA chain over keys 0..p in order, then · (1/Σ).
-// The batch is only a loop around these: K and V are streamed in super-blocks (a multiple of 8
-// keys, ~16 KB of FP32) converted BF16 -> FP32 once (exact) and then used by every pair whose
-// row reaches them. A pair with p inside a block uses keys up to p only: a partial 8-key score
-// block computes lanes it then drops (every hadd-tree lane depends on its own key only), the V
-// pass stops at p. Nothing beyond the last row's position is read from the cache. So each
-// pair's instruction sequence depends only on its own q and p — not on m, the other rows, how
-// the driver grouped pairs, or the thread count (DESIGN.md invariant 2).
+// attention.h), head_dim a multiple of 8.
+//
+// Column layout. BF16 -> FP32 without shuffles: a 32-byte load of 16 BF16 values is 8 uint32;
+// `<< 16` gives elements 0, 2, .., 14 and `& 0xFFFF0000` elements 1, 3, .., 15, exactly. So per
+// 16-column chunk every vector quantity (q, K, V, the output accumulators) is kept in the
+// "even/odd" layout  P[16c + l] = X[16c + 2l], P[16c + 8 + l] = X[16c + 2l + 1]  (l < 8); a
+// head_dim % 16 == 8 tail stays in natural order. q is permuted once per pair, outputs back.
+//
+// Per pair, the three passes of attention.cpp, with a fixed arithmetic sequence:
+//   1. scores: keys in blocks of 8 counted from key 0. Per key ONE FMA chain over head_dim in the
+//      order E0, O0, E1, O1, .., tail; then per key the tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7))
+//      over the 8 lanes (tree4 below); then · scale; lane-wise running max over the blocks.
+//   2. exp(s - max) with Σ as 8 lane-wise partial sums over blocks from key 0, then a fixed tree.
+//   3. per output column ONE FMA chain over keys 0..p in order, then · (1/Σ).
+// Keys past the pair's own p are never read for it; in its last, partial 8-key block those
+// keys' chains stay zero and their lanes are dropped (every tree lane depends on its key only).
+//
+// Two loop nests compute exactly this sequence (the FP32 values of K/V are exact either way, and
+// which pairs share a loop never enters a pair's arithmetic):
+//   - buffer path (many pairs per call): K and V are walked in super-blocks (a multiple of 8
+//     keys, ~16 KB FP32), converted once into an FP32 block that every pair then reads;
+//   - register path (few pairs, e.g. decode m = 1): up to 3 heads of one row form a register
+//     tile; each K/V vector is converted in registers and used by all of them at once (no FP32
+//     block to store and reload — those stores dominate when only 3 or 4 pairs share a block).
+// A pair's last, partial key block is computed by the same function on both paths. So a pair's
+// result depends only on its own q and p — not on m, the other rows, how the driver grouped
+// pairs, which path the call took, or the thread count (DESIGN.md invariant 2).
 #include <immintrin.h>
 
 #include <cmath>
@@ -52,17 +67,6 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_andnot_ps(tiny, y);
 }
 
-// Horizontal sums of 8 vectors -> one vector [Σa0, Σa1, ..., Σa7]; a fixed add tree per lane.
-inline __m256 hsum8x8(const __m256 a[8]) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
-  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
-  const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1);
-  const __m256 u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -75,64 +79,6 @@ inline float hmax(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// Per-thread scratch, 64-byte aligned, grows to the largest call seen and is then reused.
-float* scratch_floats(int64_t n) {
-  thread_local std::vector<float> buf;
-  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
-}
-
-inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
-
-// dst[t · hd + d] = src key t (t < nk), exact BF16 -> FP32; keys nk .. nk_pad - 1 zeroed (never
-// read from the cache).
-void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t nk_pad, int64_t hd,
-                   float* dst) {
-  for (int64_t t = 0; t < nk; ++t)
-    for (int64_t d = 0; d < hd; d += 8)
-      _mm256_store_ps(dst + t * hd + d, load_bf16x8(src + t * stride + d));
-  for (int64_t t = nk; t < nk_pad; ++t)
-    for (int64_t d = 0; d < hd; d += 8) _mm256_store_ps(dst + t * hd + d, _mm256_setzero_ps());
-}
-
-// Scores of 8 consecutive keys (FP32 rows kb[t · hd ..]) for one q; lane t = q·K_t before
-// scaling. One FMA chain per key over head_dim chunks in order, then the fixed tree.
-template <int HD>
-inline __m256 dot8(const float* q, const float* kb, int64_t hd_rt) {
-  const int64_t hd = HD > 0 ? HD : hd_rt;
-  __m256 acc[8];
-  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < hd; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_load_ps(kb + t * hd + d), acc[t]);
-  }
-  return hsum8x8(acc);
-}
-
-// Pass 1 for one pair over keys [b0, e) of the current K super-block (kbuf holds key b0 at row
-// 0; b0 is a multiple of 8; e <= n). Scores go to sc[j], the lane-wise running max to *vmax.
-template <int HD>
-void scores_block(const float* q, const float* kbuf, int64_t hd, int64_t b0, int64_t e,
-                  int64_t n, __m256 vscale, float* sc, __m256* vmax_io) {
-  __m256 vmax = *vmax_io;
-  for (int64_t j0 = b0; j0 < e; j0 += 8) {
-    const __m256 s = _mm256_mul_ps(dot8<HD>(q, kbuf + (j0 - b0) * hd, hd), vscale);
-    const int64_t nk = n - j0 < 8 ? n - j0 : 8;
-    if (nk == 8) {
-      _mm256_storeu_ps(sc + j0, s);
-      vmax = _mm256_max_ps(vmax, s);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, s);
-      for (int t = 0; t < nk; ++t) sc[j0 + t] = tmp[t];
-      for (int t = int(nk); t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
-      vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
-    }
-  }
-  *vmax_io = vmax;
 }
 
 // Pass 2: scores[j] = exp(scores[j] - max) in place for j < n; returns Σ in a fixed order
@@ -157,12 +103,109 @@ float exp_pass(float* scores, int64_t n, float max_s) {
   return hsum(vsum);
 }
 
-// Pass 3 for NC·8 columns of one pair over keys [b0, e) of the current V super-block (vbuf row
-// 0 = key b0, row stride hd): acc[c] += w[j] · V_j[c], keys in order; the running sums live in
-// accp (FP32, per pair) between super-blocks, so each column is one FMA chain over 0..p.
+// 16 BF16 values -> even elements (lane l = element 2l) and odd elements (element 2l + 1).
+inline void load_bf16x16_eo(const uint16_t* p, __m256& e, __m256& o) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  e = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  o = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// Per-key reduction of 4 accumulators: lane t = ((a_t0+a_t1)+(a_t2+a_t3))+((a_t4+a_t5)+(a_t6+a_t7)).
+inline __m128 tree4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+inline __m256 tree8(const __m256 a[8]) {
+  return _mm256_set_m128(tree4(a[4], a[5], a[6], a[7]), tree4(a[0], a[1], a[2], a[3]));
+}
+
+// Per-thread scratch, 64-byte aligned, grows to the largest call seen and is then reused.
+float* scratch_floats(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+}
+
+inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
+
+// Natural order -> even/odd layout.
+void to_eo(const float* x, int64_t hd, float* p) {
+  const int64_t hd16 = hd & ~int64_t(15);
+  for (int64_t c = 0; c < hd16; c += 16)
+    for (int l = 0; l < 8; ++l) p[c + l] = x[c + 2 * l], p[c + 8 + l] = x[c + 2 * l + 1];
+  for (int64_t d = hd16; d < hd; ++d) p[d] = x[d];
+}
+
+// One pair's last, partial block: lane t = q·K_t (unscaled) for the nk < 8 keys that exist,
+// straight from BF16; the other chains stay zero. Both paths use this.
+__m256 dot8_partial(const float* qp, const uint16_t* kb, int64_t stride, int64_t hd, int nk) {
+  const int64_t hd16 = hd & ~int64_t(15);
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int t = 0; t < nk; ++t) {
+    const uint16_t* k = kb + t * stride;
+    for (int64_t c = 0; c < hd16; c += 16) {
+      __m256 ke, ko;
+      load_bf16x16_eo(k + c, ke, ko);
+      acc[t] = _mm256_fmadd_ps(_mm256_load_ps(qp + c), ke, acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_load_ps(qp + c + 8), ko, acc[t]);
+    }
+    if (hd16 < hd)
+      acc[t] = _mm256_fmadd_ps(_mm256_load_ps(qp + hd16), load_bf16x8(k + hd16), acc[t]);
+  }
+  return tree8(acc);
+}
+
+// Scale one block's dot products, store the nk live scores, fold them into the running max.
+inline void emit_scores(__m256 dot, __m256 vscale, int nk, float* sc, __m256& vmax) {
+  const __m256 s = _mm256_mul_ps(dot, vscale);
+  if (nk == 8) {
+    _mm256_storeu_ps(sc, s);
+    vmax = _mm256_max_ps(vmax, s);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, s);
+    for (int t = 0; t < nk; ++t) sc[t] = tmp[t];
+    for (int t = nk; t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
+    vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
+  }
+}
+
+// ---- buffer path
+
+// dst[t · hd ..] = key t (t < nk) in the even/odd layout, exact.
+void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t hd, float* dst) {
+  const int64_t hd16 = hd & ~int64_t(15);
+  for (int64_t t = 0; t < nk; ++t) {
+    for (int64_t d = 0; d < hd16; d += 16) {
+      __m256 e, o;
+      load_bf16x16_eo(src + t * stride + d, e, o);
+      _mm256_store_ps(dst + t * hd + d, e);
+      _mm256_store_ps(dst + t * hd + d + 8, o);
+    }
+    if (hd16 < hd) _mm256_store_ps(dst + t * hd + hd16, load_bf16x8(src + t * stride + hd16));
+  }
+}
+
+// 8 full keys from the FP32 block (same layout as q, so the chain is d = 0, 8, 16, ..).
+template <int HD>
+inline __m256 dot8_buf(const float* qp, const float* kb, int64_t hd_rt) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < hd; d += 8) {
+    const __m256 qv = _mm256_load_ps(qp + d);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_load_ps(kb + t * hd + d), acc[t]);
+  }
+  return tree8(acc);
+}
+
+// V: NC vectors of 8 columns of one pair over keys [b0, e) of the FP32 block (row 0 = key b0).
 template <int NC>
-inline void v_block(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
-                    float* accp) {
+inline void v_buf(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
+                  float* accp) {
   __m256 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm256_load_ps(accp + c * 8);
   for (int64_t j = b0; j < e; ++j) {
@@ -173,80 +216,238 @@ inline void v_block(const float* w, const float* vbuf, int64_t hd, int64_t b0, i
   for (int c = 0; c < NC; ++c) _mm256_store_ps(accp + c * 8, acc[c]);
 }
 
+// ---- register path: R pairs of the same row (same keys), K/V converted once in registers.
+
+// 4 full keys (kb row t = key t) for R pairs: res[r] lane t = q_r·K_t (unscaled).
+template <int R, int HD>
+inline void dot4_tile(const float* const* qp, const uint16_t* kb, int64_t stride, int64_t hd_rt,
+                      __m128* res) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
+  const int64_t hd16 = hd & ~int64_t(15);
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < hd16; c += 16)
+    for (int t = 0; t < 4; ++t) {
+      __m256 ke, ko;
+      load_bf16x16_eo(kb + t * stride + c, ke, ko);
+      for (int r = 0; r < R; ++r) {
+        acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(qp[r] + c), ke, acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(qp[r] + c + 8), ko, acc[r][t]);
+      }
+    }
+  if (hd16 < hd)
+    for (int t = 0; t < 4; ++t) {
+      const __m256 kt = load_bf16x8(kb + t * stride + hd16);
+      for (int r = 0; r < R; ++r)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_load_ps(qp[r] + hd16), kt, acc[r][t]);
+    }
+  for (int r = 0; r < R; ++r) res[r] = tree4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+// Pass 1 for a tile over keys [b0, e), e <= n (b0 a multiple of 8).
+template <int R, int HD>
+void scores_tile(const float* const* qp, const uint16_t* k0, int64_t stride, int64_t hd,
+                 int64_t b0, int64_t e, __m256 vscale, float* const* sc, __m256* vmax) {
+  int64_t j0 = b0;
+  for (; j0 + 8 <= e; j0 += 8) {
+    __m128 lo[R], hi[R];
+    dot4_tile<R, HD>(qp, k0 + j0 * stride, stride, hd, lo);
+    dot4_tile<R, HD>(qp, k0 + (j0 + 4) * stride, stride, hd, hi);
+    for (int r = 0; r < R; ++r)
+      emit_scores(_mm256_set_m128(hi[r], lo[r]), vscale, 8, sc[r] + j0, vmax[r]);
+  }
+  if (j0 < e)  // the pairs' last, partial block (then e == n)
+    for (int r = 0; r < R; ++r)
+      emit_scores(dot8_partial(qp[r], k0 + j0 * stride, stride, hd, int(e - j0)), vscale,
+                  int(e - j0), sc[r] + j0, vmax[r]);
+}
+
+// V for a tile: NCH chunks of 16 columns (even/odd) from column d0, keys [b0, e) in order.
+template <int R, int NCH>
+inline void v_tile(const float* const* w, const uint16_t* v0, int64_t stride, int64_t b0,
+                   int64_t e, float* const* accp, int64_t d0) {
+  __m256 acc[R][2 * NCH];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * NCH; ++c) acc[r][c] = _mm256_load_ps(accp[r] + d0 + c * 8);
+  for (int64_t j = b0; j < e; ++j) {
+    const uint16_t* vj = v0 + j * stride + d0;
+    __m256 wj[R];
+    for (int r = 0; r < R; ++r) wj[r] = _mm256_broadcast_ss(w[r] + j);
+    for (int c = 0; c < NCH; ++c) {
+      __m256 ve, vo;
+      load_bf16x16_eo(vj + c * 16, ve, vo);
+      for (int r = 0; r < R; ++r) acc[r][2 * c] = _mm256_fmadd_ps(wj[r], ve, acc[r][2 * c]);
+      for (int r = 0; r < R; ++r) acc[r][2 * c + 1] = _mm256_fmadd_ps(wj[r], vo, acc[r][2 * c + 1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * NCH; ++c) _mm256_store_ps(accp[r] + d0 + c * 8, acc[r][c]);
+}
+
+template <int R>
+inline void v_tile8(const float* const* w, const uint16_t* v0, int64_t stride, int64_t b0,
+                    int64_t e, float* const* accp, int64_t d0) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_load_ps(accp[r] + d0);
+  for (int64_t j = b0; j < e; ++j) {
+    const __m256 vt = load_bf16x8(v0 + j * stride + d0);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[r] + j), vt, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_store_ps(accp[r] + d0, acc[r]);
+}
+
+template <int R>
+void v_tile_all(const float* const* w, const uint16_t* v0, int64_t stride, int64_t hd,
+                int64_t b0, int64_t e, float* const* accp) {
+  const int64_t hd16 = hd & ~int64_t(15);
+  int64_t d = 0;
+  constexpr int N = R == 1 ? 4 : 2;  // accumulators: R · 2N <= 12
+  for (; d + 16 * N <= hd16; d += 16 * N) v_tile<R, N>(w, v0, stride, b0, e, accp, d);
+  for (; d < hd16; d += 16) v_tile<R, 1>(w, v0, stride, b0, e, accp, d);
+  if (d < hd) v_tile8<R>(w, v0, stride, b0, e, accp, d);
+}
+
+// Pairs per call at or below which the register path is taken (SmolLM2-like 3 heads per KV
+// head at m = 1; measured on Zen 3, 4 pairs of 128-dim heads were no faster than the buffer
+// path). The choice changes speed only, never a result.
+constexpr int64_t kRegisterPathMaxPairs = 3;
+
 template <int HD>
 void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
   const int64_t hd = HD > 0 ? HD : a.kv.head_dim;
+  const int64_t hd16 = hd & ~int64_t(15);
   const int64_t G = a.n_heads / a.kv.kv_heads;
   const int64_t np = u1 - u0;
   if (np <= 0) return;
   const int64_t stride = a.kv.row_elems();
   const int64_t n_max = a.start_pos + (u1 - 1) / G + 1;  // keys 0 .. last row's position
   const int64_t sc_stride = round8(n_max) + 8;
-  int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: ~16 KB of FP32
+  const bool use_buf = np > kRegisterPathMaxPairs;
+  int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: 16 KB FP32 / 8 KB BF16
   if (kb < 8) kb = 8;
 
-  // Scratch: K/V super-block | scores per pair | V accumulators per pair | running max per pair.
-  float* buf = scratch_floats(kb * hd + np * sc_stride + np * hd + np * 8 + 64);
+  // Scratch: FP32 K/V block (buffer path) | scores | V accumulators | permuted q | running max
+  // (then 1/Σ in lane 0), per pair.
+  const int64_t blk = use_buf ? kb * hd : 0;
+  float* buf = scratch_floats(blk + np * sc_stride + 2 * np * hd + np * 8 + 64);
   float* kvbuf = buf;
-  float* scores = kvbuf + kb * hd;
+  float* scores = kvbuf + blk;
   float* accs = scores + np * sc_stride;
-  float* vmaxs = accs + np * hd;
+  float* qps = accs + np * hd;
+  __m256* vmax = reinterpret_cast<__m256*>(qps + np * hd);
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
   auto n_of = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
-  for (int64_t u = 0; u < np; ++u) _mm256_store_ps(vmaxs + u * 8, _mm256_set1_ps(-INFINITY));
+  for (int64_t u = 0; u < np; ++u) {
+    vmax[u] = _mm256_set1_ps(-INFINITY);
+    to_eo(a.q + (row_of(u) * a.n_heads + head_of(u)) * hd, hd, qps + u * hd);
+  }
+  for (int64_t x = 0; x < np * hd; x += 8) _mm256_store_ps(accs + x, _mm256_setzero_ps());
 
-  // Pass 1: stream K once.
+  // Register tiles: runs of up to 3 consecutive pairs of one row (a run of 4: 2 + 2).
+  int64_t tile_u[kRegisterPathMaxPairs], tile_r[kRegisterPathMaxPairs];
+  int ntiles = 0;
+  if (!use_buf)
+    for (int64_t u = 0; u < np;) {
+      int64_t run = 1;
+      while (u + run < np && row_of(u + run) == row_of(u)) ++run;
+      const int64_t r = run == 4 ? 2 : run < 3 ? run : 3;
+      tile_u[ntiles] = u, tile_r[ntiles] = r, ++ntiles;
+      u += r;
+    }
+
+  // Pass 1 over K.
   const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
   for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
     const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
-    convert_block(k0 + b0 * stride, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
-    for (int64_t u = 0; u < np; ++u) {
-      const int64_t n = n_of(u);
-      const int64_t e = b1 < n ? b1 : n;
-      if (e <= b0) continue;
-      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
-      __m256 vmax = _mm256_load_ps(vmaxs + u * 8);
-      scores_block<HD>(q, kvbuf, hd, b0, e, n, vscale, scores + u * sc_stride, &vmax);
-      _mm256_store_ps(vmaxs + u * 8, vmax);
+    if (use_buf) {
+      // Full 8-key blocks only: a partial block is some pair's last and read from BF16.
+      convert_block(k0 + b0 * stride, stride, (b1 - b0) & ~int64_t(7), hd, kvbuf);
+      for (int64_t u = 0; u < np; ++u) {
+        const int64_t n = n_of(u);
+        const int64_t e = b1 < n ? b1 : n;
+        if (e <= b0) continue;
+        const float* qp = qps + u * hd;
+        float* sc = scores + u * sc_stride;
+        int64_t j0 = b0;
+        for (; j0 + 8 <= e; j0 += 8)
+          emit_scores(dot8_buf<HD>(qp, kvbuf + (j0 - b0) * hd, hd), vscale, 8, sc + j0, vmax[u]);
+        if (j0 < e)
+          emit_scores(dot8_partial(qp, k0 + j0 * stride, stride, hd, int(e - j0)), vscale,
+                      int(e - j0), sc + j0, vmax[u]);
+      }
+    } else {
+      for (int t = 0; t < ntiles; ++t) {
+        const int64_t u = tile_u[t], n = n_of(u);
+        const int64_t e = b1 < n ? b1 : n;
+        if (e <= b0) continue;
+        const float* qp[3] = {qps + u * hd, qps + (u + 1) * hd, qps + (u + 2) * hd};
+        float* sc[3] = {scores + u * sc_stride, scores + (u + 1) * sc_stride,
+                        scores + (u + 2) * sc_stride};
+        switch (tile_r[t]) {
+          case 3: scores_tile<3, HD>(qp, k0, stride, hd, b0, e, vscale, sc, vmax + u); break;
+          case 2: scores_tile<2, HD>(qp, k0, stride, hd, b0, e, vscale, sc, vmax + u); break;
+          default: scores_tile<1, HD>(qp, k0, stride, hd, b0, e, vscale, sc, vmax + u); break;
+        }
+      }
     }
   }
 
-  // Pass 2: per pair, over its own keys only.
-  float* inv_sums = vmaxs;  // lane 0 of each pair's slot, after its max is read
+  // Pass 2: per pair, over its own keys only; 1/Σ goes to lane 0 of the pair's max slot.
+  float* inv_sums = reinterpret_cast<float*>(vmax);
   for (int64_t u = 0; u < np; ++u) {
-    const float max_s = hmax(_mm256_load_ps(vmaxs + u * 8));
+    const float max_s = hmax(vmax[u]);
     inv_sums[u * 8] = 1.f / exp_pass(scores + u * sc_stride, n_of(u), max_s);
   }
 
-  // Pass 3: stream V once.
-  for (int64_t x = 0; x < np * hd; x += 8) _mm256_store_ps(accs + x, _mm256_setzero_ps());
+  // Pass 3 over V.
   const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
   for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
     const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
-    convert_block(v0 + b0 * stride, stride, b1 - b0, b1 - b0, hd, kvbuf);
-    for (int64_t u = 0; u < np; ++u) {
-      const int64_t n = n_of(u);
-      const int64_t e = b1 < n ? b1 : n;
-      if (e <= b0) continue;
-      const float* w = scores + u * sc_stride;
-      float* accp = accs + u * hd;
-      int64_t d = 0;
-      for (; d + 64 <= hd; d += 64) v_block<8>(w, kvbuf + d, hd, b0, e, accp + d);
-      if (d + 32 <= hd) v_block<4>(w, kvbuf + d, hd, b0, e, accp + d), d += 32;
-      if (d + 16 <= hd) v_block<2>(w, kvbuf + d, hd, b0, e, accp + d), d += 16;
-      if (d + 8 <= hd) v_block<1>(w, kvbuf + d, hd, b0, e, accp + d), d += 8;
+    if (use_buf) {
+      convert_block(v0 + b0 * stride, stride, b1 - b0, hd, kvbuf);
+      for (int64_t u = 0; u < np; ++u) {
+        const int64_t n = n_of(u);
+        const int64_t e = b1 < n ? b1 : n;
+        if (e <= b0) continue;
+        const float* w = scores + u * sc_stride;
+        float* accp = accs + u * hd;
+        int64_t d = 0;
+        for (; d + 64 <= hd; d += 64) v_buf<8>(w, kvbuf + d, hd, b0, e, accp + d);
+        if (d + 32 <= hd) v_buf<4>(w, kvbuf + d, hd, b0, e, accp + d), d += 32;
+        if (d + 16 <= hd) v_buf<2>(w, kvbuf + d, hd, b0, e, accp + d), d += 16;
+        if (d + 8 <= hd) v_buf<1>(w, kvbuf + d, hd, b0, e, accp + d), d += 8;
+      }
+    } else {
+      for (int t = 0; t < ntiles; ++t) {
+        const int64_t u = tile_u[t], n = n_of(u);
+        const int64_t e = b1 < n ? b1 : n;
+        if (e <= b0) continue;
+        const float* w[3] = {scores + u * sc_stride, scores + (u + 1) * sc_stride,
+                             scores + (u + 2) * sc_stride};
+        float* accp[3] = {accs + u * hd, accs + (u + 1) * hd, accs + (u + 2) * hd};
+        switch (tile_r[t]) {
+          case 3: v_tile_all<3>(w, v0, stride, hd, b0, e, accp); break;
+          case 2: v_tile_all<2>(w, v0, stride, hd, b0, e, accp); break;
+          default: v_tile_all<1>(w, v0, stride, hd, b0, e, accp); break;
+        }
+      }
     }
   }
 
+  // out = acc · (1/Σ), back to natural column order.
   for (int64_t u = 0; u < np; ++u) {
-    const __m256 vinv = _mm256_set1_ps(inv_sums[u * 8]);
+    const float inv = inv_sums[u * 8];
+    const float* acc = accs + u * hd;
     float* out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
-    for (int64_t d = 0; d < hd; d += 8)
-      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_load_ps(accs + u * hd + d), vinv));
+    for (int64_t c = 0; c < hd16; c += 16)
+      for (int l = 0; l < 8; ++l)
+        out[c + 2 * l] = acc[c + l] * inv, out[c + 2 * l + 1] = acc[c + 8 + l] * inv;
+    for (int64_t d = hd16; d < hd; ++d) out[d] = acc[d] * inv;
   }
 }
 
