@@ -1,6 +1,7 @@
 // AVX-512F attention: one call computes several (row, head) pairs of ONE KV head (see
-// attention.h), head_dim a multiple of 8. It mirrors attention_avx2.cpp step for step (read that
-// file's header for the batch-invariance argument); per pair:
+// attention.h), head_dim a multiple of 8. Same structure as the buffer path of
+// attention_avx2.cpp (read that file's header for the batch-invariance argument), in natural
+// column order (no even/odd layout, no register-tile path); per pair:
 //   1. scores: keys in blocks of 8 counted from key 0; per key one FMA chain over head_dim in
 //      chunks of 16 (then 8 with zero upper lanes if head_dim % 16 == 8), each key's 16 lanes
 //      folded to 8 and the 8 keys reduced by one fixed hadd tree, · scale;
@@ -8,11 +9,13 @@
 //      horizontal reduction;
 //   3. per output column one FMA chain over keys 0..p in order, then · (1/Σ).
 // K and V are streamed in super-blocks (multiple of 8 keys, ~16 KB FP32) converted once (exact)
-// and shared by all pairs of the call; each pair uses only keys 0..p of them.
+// into an FP32 block shared by all pairs of the call; each pair uses only keys 0..p of it (a
+// partial last block computes lanes for keys it then drops; each tree lane depends on its own
+// key only). No cache row beyond the call's last row is read.
 //
-// UNTESTED on hardware so far: it was written on an AVX2-only machine (the dispatcher cannot
-// select it there). tests/test_attention.py runs it against the float64 oracle and for bit-exact
-// batch invariance wherever the CPU probe reports AVX-512.
+// UNTESTED on hardware so far: written on an AVX2-only machine (the dispatcher cannot select it
+// there; it compiles). tests/test_attention.py runs it against the float64 oracle and for
+// bit-exact batch invariance wherever the CPU probe reports AVX-512.
 #include <immintrin.h>
 
 #include <cmath>
