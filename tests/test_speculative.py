@@ -65,8 +65,8 @@ def test_greedy_lossless_subset(default_model_dir, fmt):
     eng = engine_for(default_model_dir, fmt)
     prompts = dev_prompts()
     check_lossless(eng, prompts[:3] + prompts[-2:], 48, [1, 3, 8, "auto"], ISA_LEVELS[-1])
-    for isa in ISA_LEVELS[:-1]:
-        check_lossless(eng, prompts[:1], 12, [2, 5], isa)
+    for isa in ISA_LEVELS[:-1]:  # lower levels (the scalar one is slow): one short case each
+        check_lossless(eng, prompts[:1], 8, [3], isa)
 
 
 @pytest.mark.slow
