@@ -302,7 +302,8 @@ void v_tile_all(const float* const* w, const uint16_t* v0, int64_t stride, int64
                 int64_t b0, int64_t e, float* const* accp) {
   const int64_t hd16 = hd & ~int64_t(15);
   int64_t d = 0;
-  constexpr int N = R == 1 ? 4 : 2;  // accumulators: R · 2N <= 12
+  // Accumulators R · 2N plus R broadcasts, 2 V vectors and the mask must fit 16 registers.
+  constexpr int N = R == 1 ? 4 : R == 2 ? 2 : 1;
   for (; d + 16 * N <= hd16; d += 16 * N) v_tile<R, N>(w, v0, stride, b0, e, accp, d);
   for (; d < hd16; d += 16) v_tile<R, 1>(w, v0, stride, b0, e, accp, d);
   if (d < hd) v_tile8<R>(w, v0, stride, b0, e, accp, d);
