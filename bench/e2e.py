@@ -1,0 +1,189 @@
+"""End to end: plain BF16 vs speculative decoding in one run (BENCH.md rule 5):
+`python -m bench.e2e [--threads N] [--quick] [--json PATH] [--plot PATH] [--drafts ...] [--ks ...]`.
+
+Default model over the dev prompts, 128 new tokens, greedy and temperature 0.7: for each prompt
+plain and every speculative setting run back to back (interleaved), so the ratios compare like
+with like. Per setting: tokens/s (median over prompts of per-prompt tok/s), speedup = median of
+per-prompt ratios to plain, acceptance (accepted / drafted), tau (tokens per verify step), and
+the cost ratios measured directly at a fixed context: c = draft step / target step and
+v(K) = verify of K+1 rows / target step. Synthetic-weight Llama-3.2-1B shapes: c and v(K) only
+(speed, never acceptance). Peak RSS of plain vs speculative comes from separate processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+
+from bench.common import JsonWriter, fmt_table, parent_parser, print_header, setup, time_interleaved
+from bench.models import dev_prompts, parse_draft, step_costs, synthetic_backend
+
+
+def _ks(s: str) -> list:
+    return [k if k == "auto" else int(k) for k in s.split(",")]
+
+
+def cost_ratios(be, ks: list[int], context: int, reps: int) -> dict:
+    t = step_costs(be, ks, context, reps, time_interleaved)
+    base = t["target"].median
+    r = {"t_target_ms": 1e3 * base, "c": t["draft"].median / base if "draft" in t else None}
+    r.update({f"v{k}": t[f"verify{k}"].median / base for k in ks})
+    return r
+
+
+def real_model(args, ctx, out: JsonWriter) -> list[dict]:
+    import qspec
+
+    prompts = dev_prompts(args.prompt_file)[: 4 if args.quick else args.prompts]
+    n_new = 64 if args.quick else args.max_new
+    rows = []
+    for dspec in args.drafts:
+        spec = parse_draft(dspec)
+        eng = qspec.load(draft=spec, threads=args.threads)
+        fixed = [k for k in args.ks if k != "auto"]
+        cr = cost_ratios(eng.backend, fixed, 128, 5 if args.quick else 11)
+        eng.generate(prompts[0], max_new_tokens=16)  # warm-up
+        for temp in args.temps:
+            per = {k: {"tps": [], "ratio": [], "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0}
+                   for k in ["plain"] + args.ks}
+            for i, p in enumerate(prompts):
+                kw = dict(max_new_tokens=n_new, temperature=temp, seed=i)
+                base = eng.generate(p, speculative=False, **kw)
+                per["plain"]["tps"].append(base.stats["tokens_per_s"])
+                for k in args.ks:
+                    r = eng.generate(p, draft_max=k, **kw)
+                    if temp == 0 and r.tokens != base.tokens:
+                        raise SystemExit(f"LOSSLESSNESS VIOLATED: {dspec} K={k} prompt {i}")
+                    s, d = r.stats, per[k]
+                    d["tps"].append(s["tokens_per_s"])
+                    d["ratio"].append(s["tokens_per_s"] / base.stats["tokens_per_s"])
+                    d["drafted"] += s["drafted"]
+                    d["accepted"] += s["accepted"]
+                    d["steps"] += s["steps"]
+                    d["tokens"] += s["new_tokens"] - 1
+            for k, d in per.items():
+                if k == "plain":
+                    row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0}
+                else:
+                    row = {"mode": "speculative", "draft": dspec, "k": k,
+                           "speedup": statistics.median(d["ratio"]),
+                           "acceptance_rate": d["accepted"] / max(1, d["drafted"]),
+                           "tokens_per_step": d["tokens"] / max(1, d["steps"]),
+                           "c": cr["c"], "v": cr.get(f"v{k}")}
+                row.update(model="SmolLM2-135M-Instruct", weights="real", temperature=temp,
+                           tokens_per_s=statistics.median(d["tps"]), prompts=len(prompts), new_tokens=n_new,
+                           threads=args.threads)
+                rows.append(row)
+                out.write(row)
+                print(fmt_table([row], ["draft", "k", "temperature", "tokens_per_s", "speedup",
+                                        "acceptance_rate", "tokens_per_step", "c", "v"]).splitlines()[-1],
+                      flush=True)
+        del eng
+    return rows
+
+
+def synthetic(args, ctx, out: JsonWriter) -> list[dict]:
+    rows = []
+    fixed = [k for k in args.ks if k != "auto"]
+    for dspec in args.drafts:
+        be = synthetic_backend("llama-3.2-1b", parse_draft(dspec), max_seq=512)
+        cr = cost_ratios(be, fixed, 256, 5)
+        for k in fixed:
+            row = {"model": "Llama-3.2-1B shapes (synthetic weights)", "weights": "synthetic",
+                   "mode": "cost", "draft": dspec, "k": k, "c": cr["c"], "v": cr[f"v{k}"],
+                   "t_target_ms": cr["t_target_ms"], "threads": args.threads}
+            rows.append(row)
+            out.write(row)
+        print(fmt_table(rows[-len(fixed):], ["model", "draft", "k", "c", "v", "t_target_ms"]), flush=True)
+        del be
+    return rows
+
+
+def peak_rss(args) -> dict:
+    """Peak RSS (MB) of plain vs speculative generation, each in a fresh process."""
+    res = {}
+    for mode in ("plain", "speculative"):
+        cmd = [sys.executable, "-m", "bench.e2e", "--rss-probe", mode, "--drafts", args.drafts[0],
+               "--threads", str(args.threads)]
+        res[mode] = float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1])
+    return res
+
+
+def rss_probe(args) -> None:
+    import qspec
+
+    setup(args)
+    spec = parse_draft(args.drafts[0])
+    eng = qspec.load(draft=None if args.rss_probe == "plain" else spec, threads=args.threads)
+    eng.generate(dev_prompts(args.prompt_file)[0], max_new_tokens=64)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def plot(rows: list[dict], path: str, ctx: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (draft, temp) in sorted({(r["draft"], r["temperature"]) for r in rows if r.get("mode") == "speculative"}):
+        pts = [r for r in rows if r.get("mode") == "speculative" and r["draft"] == draft
+               and r["temperature"] == temp and r["k"] != "auto"]
+        lab = f"{draft}, T={temp}"
+        a1.plot([r["k"] for r in pts], [r["speedup"] for r in pts], "o-", label=lab)
+        a2.plot([r["k"] for r in pts], [r["tokens_per_step"] for r in pts], "o-", label=lab)
+    a1.axhline(1.0, color="k", ls="--", lw=1)
+    a1.set_xlabel("K (draft_max)")
+    a1.set_ylabel("speedup vs plain BF16 (same run)")
+    a2.set_xlabel("K (draft_max)")
+    a2.set_ylabel("tau: tokens per verify step")
+    for a in (a1, a2):
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+    fig.suptitle(f"SmolLM2-135M-Instruct, {ctx['threads']} threads, {ctx['cpu']} ({ctx['isa']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.e2e", parents=[parent_parser()], description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafts", type=lambda s: s.split(","), default=None,
+                   help="comma list of FORMAT[:LM_HEAD_FORMAT] (default: the engine's default draft)")
+    p.add_argument("--ks", type=_ks, default=None, help="comma list of K values and/or auto (default 1..8,auto)")
+    p.add_argument("--temps", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 0.7])
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--prompt-file", default=None)
+    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--no-synthetic", action="store_true")
+    p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.drafts is None:
+        from qspec.engine import DEFAULT_DRAFT
+        args.drafts = [f"{DEFAULT_DRAFT.fmt}:{DEFAULT_DRAFT.lm_head}"]
+    if args.ks is None:
+        args.ks = [1, 2, 4] + ["auto"] if args.quick else list(range(1, 9)) + ["auto"]
+    if args.rss_probe:
+        return rss_probe(args)
+    setup(args)
+    ctx = print_header(args, "bench.e2e: plain BF16 vs self-speculative decoding")
+    with JsonWriter(args.json, ctx) as out:
+        rows = real_model(args, ctx, out)
+        if not args.quick and not args.no_synthetic:
+            rows += synthetic(args, ctx, out)
+        rss = peak_rss(args)
+        r = {"mode": "memory", "draft": args.drafts[0], "peak_rss_plain_mb": rss["plain"],
+             "peak_rss_speculative_mb": rss["speculative"], "ratio": rss["speculative"] / rss["plain"]}
+        out.write(r)
+        print(f"# peak RSS plain {rss['plain']:.0f} MB, speculative {rss['speculative']:.0f} MB "
+              f"({r['ratio']:.2f}x)")
+    if args.plot:
+        plot(rows, args.plot, ctx)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Engines for the decode / end-to-end benchmarks: the real default model and synthetic shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+import qspec
+from qspec.draft import DraftSpec
+from qspec.native import NativeBackend
+from qspec.synthetic import synthetic_config, synthetic_weights
+
+PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "dev.jsonl"
+
+
+def dev_prompts(path: str | None = None) -> list[str]:
+    p = Path(path) if path else PROMPTS
+    return [json.loads(line)["prompt"] for line in p.read_text().splitlines() if line.strip()]
+
+
+def parse_draft(s: str) -> DraftSpec:
+    """'mxfp4' or 'mxfp4:mxfp4' (format:lm_head)."""
+    fmt, _, head = s.partition(":")
+    return DraftSpec(fmt, head or "bf16")
+
+
+def synthetic_backend(shape: str, draft: DraftSpec | None, max_seq: int = 1024) -> NativeBackend:
+    """A native backend on random weights of a real shape (SYNTHETIC: speed only)."""
+    cfg = synthetic_config(shape, max_seq_len=max_seq)
+    be = NativeBackend(cfg, synthetic_weights(cfg), draft)
+    be.kv.ensure_capacity(max_seq)
+    return be
+
+
+def step_costs(be, ks: list[int], context: int, reps: int, time_fn) -> dict:
+    """Seconds of one target step (M=1), one draft step, and verify of K+1 rows, at `context`.
+
+    The cache holds `context` positions of arbitrary (but finite) rows first; timing is
+    interleaved per repetition (BENCH.md rule 1)."""
+    be.kv.ensure_capacity(context + max(ks) + 2)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, be.cfg.vocab_size, size=context + max(ks) + 1).tolist()
+    for start in range(0, context, 256):  # fill the cache with target rows
+        be.forward(toks[start:min(context, start + 256)], start)
+    fns = {"target": lambda: be.forward(toks[context:context + 1], context)}
+    if be.draft is not None:
+        fns["draft"] = lambda: be.forward(toks[context:context + 1], context, draft=True)
+    for k in ks:
+        fns[f"verify{k}"] = (lambda k=k: be.forward(toks[context:context + k + 1], context, all_logits=True))
+    return time_fn(fns, warmup=2, reps=reps)
