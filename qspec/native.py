@@ -46,12 +46,13 @@ class NativeBackend:
         """`draft_packed` (from a draft file) is used as it is; otherwise `draft` is cast here."""
         self.cfg = cfg
         self.kv = KVCache(cfg, 0)
-        self._embed = weights.embed  # the model borrows it
+        # the model borrows it; a private copy, so the checkpoint mapping can close after load
+        self._embed = weights.embed.clone()
         self.model = _C.Model(
             {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
              "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
              "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps},
-            bf16_numpy(weights.embed), weights.norm.float().numpy())
+            bf16_numpy(self._embed), weights.norm.float().numpy())
         self.draft = draft
         self.target_bytes = self.draft_bytes = 0
         packed_draft = dict(draft_packed or {})
