@@ -39,6 +39,7 @@ struct GemmArgs {
   int64_t mpad = 0;
   float* y = nullptr;
   int64_t ldy = 0;
+  int64_t prefetch = 0;  // software prefetch distance in bytes of a row block's stream (0: default)
 };
 
 // Kernels: compute y rows 0..m-1, columns of row blocks [nb0, nb1). acc: m * kAccCols floats

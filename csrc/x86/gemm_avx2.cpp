@@ -15,11 +15,7 @@ namespace qspec {
 namespace detail {
 namespace {
 
-constexpr int kMaxMB = 4;  // rows of x per register tile
-#ifndef QSPEC_PF
-#define QSPEC_PF 32
-#endif
-constexpr int64_t kPrefetchK = QSPEC_PF;  // software prefetch distance, in k (bf16: 64 B per k pair)
+constexpr int kMaxMB = 6;  // rows of x per register tile
 
 // Output rows r of block group nbg (NB blocks): acc layout [m][kAccCols], column j*16 + r.
 inline float* acc_row(float* acc, int64_t i) { return acc + i * kAccCols; }
@@ -71,22 +67,18 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
   for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
   const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
   for (int64_t k = k0; k < k1; k += 2) {
-    __m256 e[NB][2], o[NB][2];
-    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchK) * 16), _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + k * 16) + a.prefetch, _MM_HINT_T0);
+    // One 8-row half at a time keeps few temporaries live (GCC otherwise spills accumulators).
     for (int j = 0; j < NB; ++j)
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + k * 16 + h * 16));
-        e[j][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        o[j][h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+        const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+        for (int i = 0; i < MB; ++i) {
+          c[i][j][h] = _mm256_fmadd_ps(e, _mm256_broadcast_ss(x[i] + k), c[i][j][h]);
+          c[i][j][h] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(x[i] + k + 1), c[i][j][h]);
+        }
       }
-    for (int i = 0; i < MB; ++i) {
-      const __m256 xe = _mm256_broadcast_ss(x[i] + k);
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < 2; ++h) c[i][j][h] = _mm256_fmadd_ps(e[j][h], xe, c[i][j][h]);
-      const __m256 xo = _mm256_broadcast_ss(x[i] + k + 1);
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < 2; ++h) c[i][j][h] = _mm256_fmadd_ps(o[j][h], xo, c[i][j][h]);
-    }
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
@@ -176,20 +168,21 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       for (int g = 0; g < 4; ++g) {
         const int64_t slab = b * 8 + half * 4 + g;
         if (g % 2 == 0)
-          for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (slab + 2 * kPrefetchK) * 32), _MM_HINT_T0);
-        __m256i wl[NB], wh[NB];
-        for (int j = 0; j < NB; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
-          wl[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
-          wh[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-        }
+          for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + slab * 32 + a.prefetch), _MM_HINT_T0);
+        __m256i xq[MB];
         for (int i = 0; i < MB; ++i) {
           int32_t q4;
           std::memcpy(&q4, q[i] + slab * 4, 4);
-          const __m256i xq = _mm256_set1_epi32(q4);
-          for (int j = 0; j < NB; ++j) {
-            const __m256i pl = _mm256_maddubs_epi16(wl[j], xq);
-            const __m256i ph = _mm256_maddubs_epi16(wh[j], xq);
+          xq[i] = _mm256_set1_epi32(q4);
+        }
+        // One row block at a time: few live registers, so two blocks (two streams) fit.
+        for (int j = 0; j < NB; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
+          const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+          const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+          for (int i = 0; i < MB; ++i) {
+            const __m256i pl = _mm256_maddubs_epi16(wl, xq[i]);
+            const __m256i ph = _mm256_maddubs_epi16(wh, xq[i]);
             s16[i][j][0] = g == 0 ? pl : _mm256_add_epi16(s16[i][j][0], pl);
             s16[i][j][1] = g == 0 ? ph : _mm256_add_epi16(s16[i][j][1], ph);
           }
@@ -225,11 +218,13 @@ int env_int(const char* name, int dflt) {  // tuning knob, read once per call (c
 
 using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
 
-#define QSPEC_TILE_TABLE(name, tmpl)                                                        \
-  const TileFn name[kMaxMB][4] = {                                                        \
-      {tmpl<1, 1>, tmpl<1, 2>, tmpl<1, 3>, tmpl<1, 4>}, {tmpl<2, 1>, tmpl<2, 2>, nullptr, nullptr}, \
-      {tmpl<3, 1>, nullptr, nullptr, nullptr}, {tmpl<4, 1>, nullptr, nullptr, nullptr}};
-
+#define QSPEC_TILE_TABLE(name, tmpl)                                                         \
+  const TileFn name[kMaxMB][4] = {{tmpl<1, 1>, tmpl<1, 2>, tmpl<1, 3>, tmpl<1, 4>},            \
+                                  {tmpl<2, 1>, tmpl<2, 2>, tmpl<2, 3>, nullptr},               \
+                                  {tmpl<3, 1>, tmpl<3, 2>, nullptr, nullptr},                  \
+                                  {tmpl<4, 1>, tmpl<4, 2>, nullptr, nullptr},                  \
+                                  {tmpl<5, 1>, nullptr, nullptr, nullptr},                     \
+                                  {tmpl<6, 1>, nullptr, nullptr, nullptr}};
 template <int MB, int NB> void bf16_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void q4_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void shl_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Shl, MB, NB>(a, nb, m0, k0, k1, acc, init); }
@@ -245,17 +240,22 @@ QSPEC_TILE_TABLE(kI8Tiles, i8_fn)
 
 }  // namespace
 
-void gemm_blocks_avx2(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc) {
+  GemmArgs a = args;
+  if (a.prefetch == 0) a.prefetch = env_int("QSPEC_PF", a.kind == kQ4 ? 4096 : 1024);
   const TileFn(*table)[4] = a.kind == kBf16 ? kBf16Tiles
                           : a.kind == kQ4   ? kQ4Tiles
                           : a.kind == kF16Shl ? kShlTiles
                           : a.kind == kF16Sra ? kSraTiles
                                               : kI8Tiles;
-  // Register tiles (MB rows of x, NB row blocks): 8 fp32 accumulators for bf16 / FP8; the Q8
-  // kernel holds 4 int vectors per (row, block), so at most 2 rows or 2 blocks.
+  // Register tiles (MB rows of x, NB row blocks), picked by pinned single-core measurements on
+  // Zen 3: 8 FMA chains is what 16 ymm registers hold without spilling, and 2 x-rows x 2 row
+  // blocks needs half the broadcasts of 4 x 1 (BF16 2x2: ~28 vs ~25 GMAC/s from L1). The Q8
+  // kernel holds 4 int vectors per (row, block): 1 block at a time (M=1: 45 vs 38 GMAC/s).
   const bool q4 = a.kind == kQ4;
-  const int mbmax = q4 ? 2 : kMaxMB;
-  const int nbmax = env_int("QSPEC_NB", a.m == 1 ? (q4 ? 2 : 4) : a.m == 2 && !q4 ? 2 : 1);
+  const bool bf16 = a.kind == kBf16;
+  const int mbmax = env_int("QSPEC_MB", q4 || (bf16 && a.m == 2) ? 2 : 4);
+  const int nbmax = env_int("QSPEC_NB", q4 ? 1 : a.m == 1 ? 4 : a.m == 2 ? 2 : 1);
   // With several row tiles of x, a K chunk of weights and x is re-read from L1.
   const int64_t bytes_per_k = (a.kind == kBf16 ? 2 : q4 ? 1 : 2) * 16 * nbmax + (q4 ? 1 : 4) * a.m;
   int64_t kc = a.m <= mbmax ? a.kp : (env_int("QSPEC_L1", 16384) / bytes_per_k) / kKBlk * kKBlk;
