@@ -113,39 +113,99 @@ void run_ref(const AttnArgs& a) {
   }
 }
 
-// Fast paths: work units are (KV head, contiguous range of rows), each covering all G query
-// heads of those rows, so one unit streams the K/V of its KV head once for G · rows pairs.
-// Each unit pays one pass over its K/V blocks (BF16 -> FP32 conversion), so units are kept as
-// large as load balance allows: one per KV head single-threaded; otherwise the fewest row chunks
-// giving at least ~2 units per thread and a unit count divisible by the thread count (capped at
-// m). How pairs are grouped never changes a pair's arithmetic (see attention.h), so this may
-// follow m and the thread count freely.
+// Combines the segments of pair (row, head), p = start_pos + row >= kAttnSegKeys, in order:
+//   M = max_s m_s,  w_s = exp(m_s - M),  out = (Σ_s w_s · A_s) / (Σ_s w_s · Σexp_s)
+// with every sum taken over s = 0, 1, .. in order. Depends only on the pair's own partials.
+void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, int64_t head,
+                    float* w) {
+  const int64_t hd = a.kv.head_dim;
+  const int64_t nseg = (a.start_pos + row + kAttnSegKeys) / kAttnSegKeys;  // ceil((p + 1) / S)
+  float big = -INFINITY;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const float ms = part.at(a, row, head, s)[0];
+    if (ms > big) big = ms;
+  }
+  float den = 0.f;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const float* ps = part.at(a, row, head, s);
+    w[s] = std::exp(ps[0] - big);
+    den += w[s] * ps[1];
+  }
+  float* out = a.out + (row * a.n_heads + head) * hd;
+  const float* p0 = part.at(a, row, head, 0) + 2;
+  for (int64_t c = 0; c < hd; ++c) out[c] = w[0] * p0[c];
+  for (int64_t s = 1; s < nseg; ++s) {
+    const float* ps = part.at(a, row, head, s) + 2;
+    const float ws = w[s];
+    for (int64_t c = 0; c < hd; ++c) out[c] += ws * ps[c];
+  }
+  const float inv = 1.f / den;
+  for (int64_t c = 0; c < hd; ++c) out[c] *= inv;
+}
+
+// Fast paths: a work unit is (KV head, contiguous range of rows, key segment); it covers all G
+// query heads of those rows, so it streams the segment's K/V of its KV head once for G · rows
+// pairs. Each unit pays one pass over its K/V blocks (BF16 -> FP32 conversion), so units are
+// kept as large as load balance allows: row chunks are only added (single-threaded: never) when
+// KV heads × segments give fewer than ~2 units per thread. Segments are fixed by key position
+// (attention.h), and how pairs are grouped never changes a pair's arithmetic, so all of this may
+// follow m and the thread count freely. Pairs with more than one segment are merged afterwards.
 void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   const int64_t group = a.n_heads / a.kv.kv_heads;
   const int64_t kvh = a.kv.kv_heads;
   const int64_t nt = omp_get_max_threads();
+  const int64_t n_last = a.start_pos + a.m;  // keys of the last row
+  const int64_t max_seg = (n_last + kAttnSegKeys - 1) / kAttnSegKeys;
   int64_t chunks = 1;
-  if (nt > 1) {
-    chunks = (2 * nt + kvh - 1) / kvh;
-    for (int64_t c = chunks; c < chunks + nt; ++c)
-      if ((kvh * c) % nt == 0) {
-        chunks = c;
-        break;
-      }
+  if (nt > 1 && kvh * max_seg < 2 * nt) {
+    chunks = (2 * nt + kvh * max_seg - 1) / (kvh * max_seg);
     if (chunks > a.m) chunks = a.m;
   }
-  const int64_t units = kvh * chunks;
-  auto unit = [&](int64_t w) {
-    const int64_t c = w % chunks;
-    const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
-    fn(a, w / chunks, r0 * group, r1 * group);
+  struct Unit {
+    int64_t kvh, r0, r1, seg;
   };
-  if (nt <= 1 || units == 1) {
-    for (int64_t w = 0; w < units; ++w) unit(w);
+  thread_local std::vector<Unit> units;
+  units.clear();
+  for (int64_t s = 0; s < max_seg; ++s)  // full segments first: the last ones are short
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
+      if (r0 == r1 || a.start_pos + r1 <= s * kAttnSegKeys) continue;  // no row reaches s
+      for (int64_t h = 0; h < kvh; ++h) units.push_back({h, r0, r1, s});
+    }
+  AttnPartials part;
+  thread_local std::vector<float> part_buf;
+  if (n_last > kAttnSegKeys) {
+    const size_t need = size_t(a.m * a.n_heads * max_seg * (a.kv.head_dim + 2));
+    if (part_buf.size() < need) part_buf.resize(need);
+    part.data = part_buf.data();
+    part.max_seg = max_seg;
+  }
+  // Rows whose p >= kAttnSegKeys have several segments and need merging.
+  const int64_t first_merged = kAttnSegKeys - a.start_pos > 0 ? kAttnSegKeys - a.start_pos : 0;
+  const int64_t merged = first_merged < a.m ? (a.m - first_merged) * a.n_heads : 0;
+  const int64_t nu = int64_t(units.size());
+  const Unit* us = units.data();
+  auto run_unit = [&](int64_t w) {
+    fn(a, us[w].kvh, us[w].r0 * group, us[w].r1 * group, us[w].seg, part);
+  };
+  if (nt <= 1 || (nu <= 1 && merged <= 1)) {
+    for (int64_t w = 0; w < nu; ++w) run_unit(w);
+    std::vector<float> ws(max_seg);
+    for (int64_t x = 0; x < merged; ++x)
+      merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
     return;
   }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t w = 0; w < units; ++w) unit(w);
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < nu; ++w) run_unit(w);
+    if (merged > 0) {
+      std::vector<float> ws(max_seg);
+#pragma omp for schedule(static)
+      for (int64_t x = 0; x < merged; ++x)
+        merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
+    }
+  }
 }
 
 }  // namespace

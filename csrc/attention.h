@@ -53,16 +53,39 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 // for several (row, head) pairs at once, so that the K/V of that head is streamed once per call
 // instead of once per pair. With G = n_heads / kv_heads, the pairs of KV head `kvh` are numbered
 // u = row · G + g (row-major), u in [0, m · G), and pair u is (row u / G, head kvh · G + u % G).
-// One call computes pairs [u_begin, u_end) of that KV head.
+//
+// Keys are split into fixed segments of kAttnSegKeys counted from key 0 (segment s = keys
+// [s · S, (s + 1) · S)); one call computes pairs [u_begin, u_end) of that KV head over segment
+// `seg` only (pairs whose position p lies before the segment are skipped). A pair with p < S
+// (a single segment) gets its final output written directly; otherwise the call writes the
+// segment's partial result (score max, Σ exp, unnormalized Σ exp · V) to `part`, and
+// attn_merge_segments() combines a pair's segments in order 0, 1, .. afterwards. The segment
+// count of a pair depends only on its own p, so segments give the driver parallelism over keys
+// (decode: m = 1) without making any result depend on m or the thread count.
 //
 // Batch invariance: the arithmetic of one pair (score FMAs over head_dim, the horizontal-sum
-// tree, max, exp and Σ order, the V accumulation order, the final scaling) depends only on that
-// pair's q and its position p = start_pos + row, never on which other pairs share the call. The
-// K/V blocks are converted BF16 -> FP32 exactly, in blocks whose boundaries are multiples of 8
+// tree, max, exp and Σ order, the V accumulation order, the final scaling, the merge) depends
+// only on that pair's q and its position p, never on which other pairs share the call. The K/V
+// blocks are converted BF16 -> FP32 exactly, in blocks whose boundaries are multiples of 8
 // counted from key 0, and each pair only ever uses keys 0..p of them. So the driver may group
 // pairs into calls however it likes (by m and thread count) without changing a single bit.
-using AttnGroupFn = void (*)(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end);
-void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end);
-void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end);
+constexpr int64_t kAttnSegKeys = 256;
+
+struct AttnPartials {
+  // [m][n_heads][max_seg][head_dim + 2]: {max, Σ exp, Σ exp · V[0 .. head_dim)} per segment,
+  // V sums in natural column order.
+  float* data = nullptr;
+  int64_t max_seg = 0;
+  float* at(const AttnArgs& a, int64_t row, int64_t head, int64_t seg) const {
+    return data + ((row * a.n_heads + head) * max_seg + seg) * (a.kv.head_dim + 2);
+  }
+};
+
+using AttnGroupFn = void (*)(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
+                             int64_t seg, const AttnPartials& part);
+void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
+                     const AttnPartials& part);
+void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
+                       int64_t seg, const AttnPartials& part);
 
 }  // namespace qspec

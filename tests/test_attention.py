@@ -280,8 +280,9 @@ def test_dispatcher_ignores_m():
 # out bit-identical to computing it alone (m = 1): grid over m, start_pos (block boundaries at
 # multiples of 8 and the 64/32-key super-blocks), thread counts, GQA shapes and awkward head_dims,
 # with garbage in the other rows and NaN/inf in every cache row past the batch's last position.
+# Positions around 256 put single-segment and merged rows (attention.h: kAttnSegKeys) in one batch.
 GRID_MS = [2, 3, 5, 8, 9, 16, 17, 33]
-GRID_START_POS = [0, 1, 7, 8, 63, 64, 65, 127, 300]
+GRID_START_POS = [0, 1, 7, 8, 63, 64, 65, 127, 240, 255, 256, 300, 600]
 GRID_SHAPES = {"smollm2": SMOLLM2, "llama3_8b": LLAMA3_8B, "gqa_24": (6, 2, 24),
                "gqa_72": (5, 1, 72)}
 
@@ -297,13 +298,13 @@ def test_batched_rows_bit_identical_to_m1(path, shape_name, threads):
     if path == "ref" and shape_name == "llama3_8b":
         pytest.skip("scalar reference on 32/8/128: covered by test_row_independent_of_batch")
     n_heads, kv_heads, head_dim = GRID_SHAPES[shape_name]
-    kv = make_cache(kv_heads, head_dim, max_seq=400)
+    kv = make_cache(kv_heads, head_dim, max_seq=640)
     last = max(GRID_START_POS) + max(GRID_MS)
     qs = np.stack([_q_at(p, n_heads, head_dim) for p in range(last)])
     threads(1)
     alone = [_C.attention(qs[p:p + 1], kv, 1, p, path=path)[0] for p in range(last)]
     ms = GRID_MS if path != "ref" else [2, 9, 33]
-    sps = GRID_START_POS if path != "ref" else [0, 7, 65]
+    sps = GRID_START_POS if path != "ref" else [0, 7, 240]
     for t in [1, 2, 3, 4]:
         threads(t)
         for m in ms:

@@ -315,14 +315,19 @@ void v_tile_all(const float* const* w, const uint16_t* v0, int64_t stride, int64
 constexpr int64_t kRegisterPathMaxPairs = 3;
 
 template <int HD>
-void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
+void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t seg,
+                const AttnPartials& part) {
   const int64_t hd = HD > 0 ? HD : a.kv.head_dim;
   const int64_t hd16 = hd & ~int64_t(15);
   const int64_t G = a.n_heads / a.kv.kv_heads;
   const int64_t np = u1 - u0;
   if (np <= 0) return;
   const int64_t stride = a.kv.row_elems();
-  const int64_t n_max = a.start_pos + (u1 - 1) / G + 1;  // keys 0 .. last row's position
+  // This call's keys: segment [kbeg, kcap) up to the last row's position.
+  const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
+  int64_t n_max = a.start_pos + (u1 - 1) / G + 1;
+  if (n_max > kcap) n_max = kcap;
+  if (n_max <= kbeg) return;
   const int64_t sc_stride = round8(n_max) + 8;
   const bool use_buf = np > kRegisterPathMaxPairs;
   int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: 16 KB FP32 / 8 KB BF16
@@ -340,7 +345,8 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
-  auto n_of = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };
+  auto n_full = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };  // keys 0..p
+  auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) {
@@ -363,7 +369,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
 
   // Pass 1 over K.
   const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
+  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
     const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
     if (use_buf) {
       // Full 8-key blocks only: a partial block is some pair's last and read from BF16.
@@ -398,16 +404,19 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
     }
   }
 
-  // Pass 2: per pair, over its own keys only; 1/Σ goes to lane 0 of the pair's max slot.
-  float* inv_sums = reinterpret_cast<float*>(vmax);
+  // Pass 2: per pair, over its own keys of this segment; Σ and the max go to lanes 0 and 1 of
+  // the pair's max slot.
+  float* sums = reinterpret_cast<float*>(vmax);
   for (int64_t u = 0; u < np; ++u) {
+    if (n_of(u) <= kbeg) continue;
     const float max_s = hmax(vmax[u]);
-    inv_sums[u * 8] = 1.f / exp_pass(scores + u * sc_stride, n_of(u), max_s);
+    sums[u * 8] = exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
+    sums[u * 8 + 1] = max_s;
   }
 
   // Pass 3 over V.
   const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
+  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
     const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
     if (use_buf) {
       convert_block(v0 + b0 * stride, stride, b1 - b0, hd, kvbuf);
@@ -440,11 +449,22 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
     }
   }
 
-  // out = acc · (1/Σ), back to natural column order.
+  // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial. Natural order.
   for (int64_t u = 0; u < np; ++u) {
-    const float inv = inv_sums[u * 8];
+    if (n_of(u) <= kbeg) continue;
     const float* acc = accs + u * hd;
-    float* out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
+    float* out;
+    float inv;
+    if (n_full(u) <= kAttnSegKeys) {
+      out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      inv = 1.f / sums[u * 8];
+    } else {
+      float* pp = part.at(a, row_of(u), head_of(u), seg);
+      pp[0] = sums[u * 8 + 1];
+      pp[1] = sums[u * 8];
+      out = pp + 2;
+      inv = 1.f;  // exact: the partial keeps the unnormalized sums
+    }
     for (int64_t c = 0; c < hd16; c += 16)
       for (int l = 0; l < 8; ++l)
         out[c + 2 * l] = acc[c + l] * inv, out[c + 2 * l + 1] = acc[c + 8 + l] * inv;
@@ -454,11 +474,12 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
 
 }  // namespace
 
-void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end) {
+void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
+                     const AttnPartials& part) {
   switch (a.kv.head_dim) {
-    case 64: group_impl<64>(a, kvh, u_begin, u_end); break;
-    case 128: group_impl<128>(a, kvh, u_begin, u_end); break;
-    default: group_impl<0>(a, kvh, u_begin, u_end); break;
+    case 64: group_impl<64>(a, kvh, u_begin, u_end, seg, part); break;
+    case 128: group_impl<128>(a, kvh, u_begin, u_end, seg, part); break;
+    default: group_impl<0>(a, kvh, u_begin, u_end, seg, part); break;
   }
 }
 

@@ -189,13 +189,18 @@ inline void v_block8(const float* w, const float* vbuf, int64_t hd, int64_t b0, 
 }
 
 template <int HD>
-void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
+void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t seg,
+                const AttnPartials& part) {
   const int64_t hd = HD > 0 ? HD : a.kv.head_dim;
   const int64_t G = a.n_heads / a.kv.kv_heads;
   const int64_t np = u1 - u0;
   if (np <= 0) return;
   const int64_t stride = a.kv.row_elems();
-  const int64_t n_max = a.start_pos + (u1 - 1) / G + 1;  // keys 0 .. last row's position
+  // This call's keys: segment [kbeg, kcap) up to the last row's position.
+  const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
+  int64_t n_max = a.start_pos + (u1 - 1) / G + 1;
+  if (n_max > kcap) n_max = kcap;
+  if (n_max <= kbeg) return;
   const int64_t sc_stride = round8(n_max) + 16;
   int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: ~16 KB of FP32
   if (kb < 8) kb = 8;
@@ -209,14 +214,15 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
-  auto n_of = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };
+  auto n_full = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };  // keys 0..p
+  auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) _mm256_storeu_ps(vmaxs + u * 8, _mm256_set1_ps(-INFINITY));
 
   // Pass 1: stream K once.
   const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
+  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
     const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
     convert_block(k0 + b0 * stride, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
@@ -230,17 +236,20 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
     }
   }
 
-  // Pass 2: per pair, over its own keys only.
-  float* inv_sums = vmaxs;  // lane 0 of each pair's slot, after its max is read
+  // Pass 2: per pair, over its own keys of this segment; Σ and the max go to lanes 0 and 1 of
+  // the pair's max slot.
+  float* sums = vmaxs;
   for (int64_t u = 0; u < np; ++u) {
+    if (n_of(u) <= kbeg) continue;
     const float max_s = hmax8(_mm256_loadu_ps(vmaxs + u * 8));
-    inv_sums[u * 8] = 1.f / exp_pass(scores + u * sc_stride, n_of(u), max_s);
+    sums[u * 8] = exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
+    sums[u * 8 + 1] = max_s;
   }
 
   // Pass 3: stream V once.
   for (int64_t x = 0; x < np * hd; x += 8) _mm256_storeu_ps(accs + x, _mm256_setzero_ps());
   const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
+  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
     const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
     convert_block(v0 + b0 * stride, stride, b1 - b0, b1 - b0, hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
@@ -258,9 +267,21 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
     }
   }
 
+  // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).
   for (int64_t u = 0; u < np; ++u) {
-    const __m256 vinv = _mm256_set1_ps(inv_sums[u * 8]);
-    float* out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
+    if (n_of(u) <= kbeg) continue;
+    float* out;
+    __m256 vinv;
+    if (n_full(u) <= kAttnSegKeys) {
+      out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      vinv = _mm256_set1_ps(1.f / sums[u * 8]);
+    } else {
+      float* pp = part.at(a, row_of(u), head_of(u), seg);
+      pp[0] = sums[u * 8 + 1];
+      pp[1] = sums[u * 8];
+      out = pp + 2;
+      vinv = _mm256_set1_ps(1.f);
+    }
     for (int64_t d = 0; d < hd; d += 8)
       _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(accs + u * hd + d), vinv));
   }
@@ -268,11 +289,12 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1) {
 
 }  // namespace
 
-void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end) {
+void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
+                       int64_t seg, const AttnPartials& part) {
   switch (a.kv.head_dim) {
-    case 64: group_impl<64>(a, kvh, u_begin, u_end); break;
-    case 128: group_impl<128>(a, kvh, u_begin, u_end); break;
-    default: group_impl<0>(a, kvh, u_begin, u_end); break;
+    case 64: group_impl<64>(a, kvh, u_begin, u_end, seg, part); break;
+    case 128: group_impl<128>(a, kvh, u_begin, u_end, seg, part); break;
+    default: group_impl<0>(a, kvh, u_begin, u_end, seg, part); break;
   }
 }
 
