@@ -10,7 +10,8 @@
 // The order of every reduction depends only on p, so row i is bit-identical for any m, any
 // content of the other rows and any thread count (DESIGN.md invariant 2). The fast paths run
 // the passes for all (row, head) pairs of one KV head together, block by block, so each K/V block
-// is read and converted once per call rather than once per pair (see attention.h).
+// is read and converted once per call rather than once per pair, and per fixed 256-key segment
+// (positions counted from key 0), merging a row's segments in order afterwards (attention.h).
 #include "attention.h"
 
 #include <omp.h>

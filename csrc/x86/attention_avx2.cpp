@@ -23,7 +23,10 @@
 //   - register path (few pairs, e.g. decode m = 1): up to 3 heads of one row form a register
 //     tile; each K/V vector is converted in registers and used by all of them at once (no FP32
 //     block to store and reload — those stores dominate when only 3 or 4 pairs share a block).
-// A pair's last, partial key block is computed by the same function on both paths. So a pair's
+// A pair's last, partial key block is computed by the same function on both paths. One call
+// covers one fixed key segment (attention.h: kAttnSegKeys from key 0): the passes above run
+// over the segment's keys (Σ's partial sums start at the segment start), and a pair with more
+// than one segment leaves {max, Σ, unnormalized V sums} for the driver's in-order merge. So a pair's
 // result depends only on its own q and p — not on m, the other rows, how the driver grouped
 // pairs, which path the call took, or the thread count (DESIGN.md invariant 2).
 #include <immintrin.h>
