@@ -80,9 +80,9 @@ def run(args) -> list[dict]:
     print(f"# measured read bandwidth, {threads} thread(s): {bw:.1f} GB/s")
     rng = np.random.default_rng(0)
     cases = [(mdl, lay, n, k) for mdl, layers in MODELS.items() for lay, n, k in layers
-             if not args.quick or (mdl, lay) in QUICK]
-    ms = QUICK_MS if args.quick else MS
-    formats = QUICK_FORMATS if args.quick else FORMATS
+             if (not args.quick or (mdl, lay) in QUICK) and (not args.models or mdl in args.models)]
+    ms = args.ms or (QUICK_MS if args.quick else MS)
+    formats = args.formats or (QUICK_FORMATS if args.quick else FORMATS)
     budget = 0.15 if args.quick else 0.5
     rows = []
     with JsonWriter(args.json, ctx) as out:
@@ -188,6 +188,11 @@ def plot(rows: list[dict], path: str, ctx: dict, bw: float) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser()],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    csv = lambda t: (lambda v: [t(x) for x in v.split(",")])  # noqa: E731
+    ap.add_argument("--formats", type=csv(str), default=None,
+                    help=f"comma list (default {','.join(FORMATS)}; quick {','.join(QUICK_FORMATS)})")
+    ap.add_argument("--ms", type=csv(int), default=None, help="comma list of M (default 1,2,4,8,16,64,256)")
+    ap.add_argument("--models", type=csv(str), default=None, help=f"comma list of {', '.join(MODELS)}")
     run(ap.parse_args(argv))
 
 

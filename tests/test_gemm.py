@@ -26,11 +26,13 @@ FMT = {
 # Q8 activation rounding for MXFP4, bounded exactly below). Fast paths vs ref: the paths that
 # keep fp32 activations (avx2, avx512) perform the same arithmetic as ref (gemm.h): exact.
 REF_VS_F64_TOL = 3e-6           # fp32 FMA chains over K <= 4128
-PATH_VS_REF_TOL = {
-    "avx2": 0.0,
-    "avx512": 0.0,
-    "avx512_bf16": 2 ** -7,     # x rounded to bf16 (RNE): relative 2^-9 per product, + dot order
-    "amx": 2 ** -7,
+EXACT = 0.0
+BF16_ACTIVATIONS = 2 ** -7      # x rounded to bf16 (RNE): relative 2^-9 per product, + dot order
+PATH_VS_REF_TOL = {             # [path][format]
+    "avx2": {fmt: EXACT for fmt in ALL_FORMATS},
+    "avx512": {fmt: EXACT for fmt in ALL_FORMATS},
+    "avx512_bf16": {"bf16": BF16_ACTIVATIONS},
+    "amx": {"bf16": BF16_ACTIVATIONS},
 }
 
 
@@ -279,8 +281,8 @@ def test_special_values(rng):
 # ------------------------------------------------------------------------ fast paths vs ref
 
 
-def assert_close_to_ref(path, y, yref, x, w):
-    tol = PATH_VS_REF_TOL[path]
+def assert_close_to_ref(path, fmt, y, yref, x, w):
+    tol = PATH_VS_REF_TOL[path][fmt]
     if tol == 0.0:
         np.testing.assert_array_equal(y, yref, err_msg=path)
     else:
@@ -295,7 +297,7 @@ def test_paths_match_ref_awkward_shapes(fmt, rng):
         x = rng.standard_normal((m, k)).astype(np.float32)
         yref = _C.gemm(pw, x, path="ref")
         for p in paths_for(pw, m)[1:]:
-            assert_close_to_ref(p, _C.gemm(pw, x, path=p), yref, x, w)
+            assert_close_to_ref(p, pw.fmt, _C.gemm(pw, x, path=p), yref, x, w)
 
 
 REAL_SHAPES = [(1536, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M up/down, LM head
@@ -311,7 +313,7 @@ def test_paths_match_ref_real_shapes(fmt, n, k, rng):
     out = np.empty((m, n), np.float32)
     for p in paths_for(pw, m)[1:]:
         assert _C.gemm(pw, x, out=out, path=p) is out
-        assert_close_to_ref(p, out, yref, x, w)
+        assert_close_to_ref(p, pw.fmt, out, yref, x, w)
 
 
 @pytest.mark.slow
@@ -323,7 +325,7 @@ def test_paths_match_ref_llama8b_shape(fmt, rng):
         x = rng.standard_normal((m, k)).astype(np.float32)
         yref = _C.gemm(pw, x, path="ref")
         for p in paths_for(pw, m)[1:]:
-            assert_close_to_ref(p, _C.gemm(pw, x, path=p), yref, x, w)
+            assert_close_to_ref(p, pw.fmt, _C.gemm(pw, x, path=p), yref, x, w)
 
 
 def test_prefill_sizes_match_ref(rng):
@@ -332,7 +334,7 @@ def test_prefill_sizes_match_ref(rng):
         x = rng.standard_normal((m, 96)).astype(np.float32)
         yref = _C.gemm(pw, x, path="ref")
         for p in paths_for(pw, m)[1:]:
-            assert_close_to_ref(p, _C.gemm(pw, x, path=p), yref, x, w)
+            assert_close_to_ref(p, pw.fmt, _C.gemm(pw, x, path=p), yref, x, w)
         assert _C.gemm_choose(pw, m) in paths_for(pw, m)
 
 
