@@ -42,6 +42,10 @@ struct WeightSet {
   }
 };
 
+// Row-wise ops (norms, RoPE, SiLU) are split over threads only for prefill-sized batches;
+// each row is computed the same way whichever thread runs it.
+constexpr int64_t kParallelRows = 16;
+
 inline float bf16_to_f32(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;
@@ -167,8 +171,10 @@ class Model {
     const int64_t half = hd_ / 2;
     for (int64_t l = 0; l < n_layers_; ++l) {
       const LayerSet& L = ws.layers[l];
+#pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]);
       gemm(*L.wqkv, x_.data(), m, d_, qkv_.data(), qkv_n);
+#pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) {
         float* row = &qkv_[r * qkv_n];
         if (!bqkv_[l].empty())
@@ -197,8 +203,10 @@ class Model {
       attention(a);
       gemm(*L.wo, att_.data(), m, q_n, tmp_.data(), d_);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
+#pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]);
       gemm(*L.wgu, x_.data(), m, d_, gu_.data(), 2 * f_);
+#pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) {
         const float* g = &gu_[r * 2 * f_];
         const float* u = g + f_;
