@@ -147,8 +147,11 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 template <int MB, int NB>
 void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
   const int64_t kb = a.kp / kKBlk;
-  if (init)
-    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
+  __m256 facc[MB][NB][2];  // fp32 accumulators stay in registers across blocks
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h)
+        facc[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
