@@ -201,16 +201,20 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
     for (int j = 0; j < NB; ++j) {
       __m256 d[2];
       e8m0x16(s[j] + b * kRows, d[0], d[1]);
-      for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < MB; ++i) {
-          const int64_t ib = (m0 + i) * kb + b;
-          const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j][h], _mm256_set1_epi32(a.xc[ib])));
-          const __m256 dd = _mm256_mul_ps(d[h], _mm256_set1_ps(a.xd[ib]));
-          float* pa = acc_row(acc, m0 + i) + j * 16 + h * 8;
-          _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, dd, _mm256_loadu_ps(pa)));
+      for (int i = 0; i < MB; ++i) {
+        const int64_t ib = (m0 + i) * kb + b;
+        const __m256i xc = _mm256_set1_epi32(a.xc[ib]);
+        const __m256 xd = _mm256_set1_ps(a.xd[ib]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j][h], xc));
+          facc[i][j][h] = _mm256_fmadd_ps(fi, _mm256_mul_ps(d[h], xd), facc[i][j][h]);
         }
       }
+    }
   }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, facc[i][j][h]);
 }
 
 // ----------------------------------------------------------------------------- driver
