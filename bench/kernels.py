@@ -158,7 +158,7 @@ def plot(rows: list[dict], path: str, ctx: dict, bw: float) -> None:
     for fmt in sorted({r["fmt"] for r in chosen}):
         pts = [r for r in chosen if r["fmt"] == fmt and r["m"] == 1]
         a1.plot(range(len(pts)), [r["pct_of_bw"] for r in pts], "o-", label=fmt)
-        a1.set_xticks(range(len(pts)), [f"{r['model'].split('-')[0][:6]}\n{r['layer']}\n{r['n']}x{r['k']}"
+        a1.set_xticks(range(len(pts)), [f"{r['model']}\n{r['layer']}\n{r['n']}x{r['k']}"
                                         for r in pts], fontsize=6)
     a1.axhline(85, color="gray", ls="--", lw=0.8)
     a1.set_ylabel(f"% of measured read BW ({bw:.1f} GB/s)")
