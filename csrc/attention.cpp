@@ -71,6 +71,13 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
 
+float* attn_thread_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+}
+
 const char* attn_path_name(AttnPath p) {
   switch (p) {
     case AttnPath::ref: return "ref";

@@ -40,6 +40,8 @@ const char* attn_path_name(AttnPath p);
 bool attn_supports(AttnPath p, const AttnArgs& a);
 AttnPath attn_choose(const AttnArgs& a);  // by isa_selected(); never changes with m
 void attention(const AttnArgs& a);         // dispatches
+// Per-thread FP32 scratch of at least n floats, 64-byte aligned, reused across calls.
+float* attn_thread_scratch(int64_t n);
 void attention_path(AttnPath p, const AttnArgs& a);  // throws std::invalid_argument if unsupported
 
 // Scalar reference kernel for ONE (query row i, head h): out[i, h, :] from keys 0 .. start_pos + i,

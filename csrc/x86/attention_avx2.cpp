@@ -33,7 +33,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "attention.h"
 
@@ -123,13 +122,9 @@ inline __m256 tree8(const __m256 a[8]) {
   return _mm256_set_m128(tree4(a[4], a[5], a[6], a[7]), tree4(a[0], a[1], a[2], a[3]));
 }
 
-// Per-thread scratch, 64-byte aligned, grows to the largest call seen and is then reused.
-float* scratch_floats(int64_t n) {
-  thread_local std::vector<float> buf;
-  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
-}
+// Per-thread scratch lives in baseline code (attention.cpp): STL templates instantiated in
+// an ISA file could be the copy the linker keeps for baseline callers (SIGILL on older CPUs).
+inline float* scratch_floats(int64_t n) { return attn_thread_scratch(n); }
 
 inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
 

@@ -20,7 +20,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "attention.h"
 
@@ -84,13 +83,9 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Per-thread scratch, 64-byte aligned, grows to the largest call seen and is then reused.
-float* scratch_floats(int64_t n) {
-  thread_local std::vector<float> buf;
-  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
-}
+// Per-thread scratch lives in baseline code (attention.cpp): STL templates instantiated in
+// an ISA file could be the copy the linker keeps for baseline callers (SIGILL on older CPUs).
+inline float* scratch_floats(int64_t n) { return attn_thread_scratch(n); }
 
 inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
 
