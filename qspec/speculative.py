@@ -50,53 +50,57 @@ class DraftParams:
 class CostModel:
     """Chooses K to maximise expected tokens per second (BENCH.md: speedup = tau / (K c + v(K))).
 
-    tau(K) = (1 - a^(K+1)) / (1 - a) for a per-token acceptance a (running estimate); c and
-    v(K) are running measurements of a draft step and a (K+1)-row verify, in units of a 1-row
-    target step. Priors: c from the byte ratio of the two weight sets, v(K) = 1 + 0.05 K.
+    Everything is measured in this run, in seconds: t_d (one draft step) and t_v(M) (one
+    M-row verify; a least-squares line through the row counts seen so far), and the per-token
+    acceptance a (each drafted token up to the first mismatch is one trial; decayed counts).
+    tau(K) = (1 - a^(K+1)) / (1 - a); the K with the highest tau(K) / (K t_d + t_v(K+1)) wins.
+    The first steps try a few K values so that t_v has points to fit.
     """
 
+    DECAY = 0.97  # ~30-step memory: acceptance drifts with the text being written
+
     def __init__(self, byte_ratio: float, k_max: int, k_min: int):
-        self.k_max, self.k_min = k_max, k_min
-        self.alpha = 0.7           # prior acceptance
+        self.k_min, self.k_max = k_min, k_max
+        self.byte_ratio = byte_ratio
+        self.hits, self.trials = 7.0, 10.0  # prior a = 0.7, worth ten trials
         self.t_draft: float | None = None
         self.t_verify: dict[int, float] = {}  # rows M -> seconds (EMA)
-        self.c_prior = byte_ratio
+        self._explore = [k for k in (1, 2, 4, 3) if k_min <= k <= k_max] or [k_min]
 
-    def _ema(self, old: float | None, new: float, w: float = 0.2) -> float:
+    @staticmethod
+    def _ema(old: float | None, new: float, w: float = 0.25) -> float:
         return new if old is None else (1 - w) * old + w * new
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         if drafted:
-            # a per-token acceptance estimate from the accepted prefix length
-            self.alpha = self._ema(self.alpha, accepted / drafted, 0.1)
+            self.hits = self.DECAY * self.hits + accepted
+            self.trials = self.DECAY * self.trials + accepted + (accepted < drafted)
             self.t_draft = self._ema(self.t_draft, draft_s / drafted)
-        m = drafted + 1
-        self.t_verify[m] = self._ema(self.t_verify.get(m), verify_s)
+        self.t_verify[drafted + 1] = self._ema(self.t_verify.get(drafted + 1), verify_s)
 
-    def _v(self, m: int) -> float:
-        t1 = self.t_verify.get(1)
-        if m in self.t_verify and t1:
-            return self.t_verify[m] / t1
-        known = [(k, t) for k, t in self.t_verify.items() if k > 1]
-        if t1 and known:
-            k, t = max(known)
-            beta = max(0.0, (t / t1 - 1) / (k - 1))
-            return 1 + beta * (m - 1)
-        return 1 + 0.05 * (m - 1)
-
-    def _c(self) -> float:
-        t1 = self.t_verify.get(1) or (self.t_verify and min(self.t_verify.values()))
-        if self.t_draft is not None and t1:
-            return self.t_draft / t1
-        return self.c_prior
+    def verify_seconds(self, m: int) -> float:
+        pts = sorted(self.t_verify.items())
+        if m in self.t_verify:
+            return self.t_verify[m]
+        if len(pts) == 1:  # one point: assume verify cost grows 10% per extra row
+            m0, t0 = pts[0]
+            return t0 * max(0.1, 1 + 0.1 * (m - m0))
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        sxx = sum((p[0] - mx) ** 2 for p in pts)
+        slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx)
+        return max(1e-9, my + slope * (m - mx))
 
     def choose(self) -> int:
-        a = min(max(self.alpha, 0.0), 0.995)
-        c = self._c()
+        if self._explore or not self.t_verify:
+            return self._explore.pop(0) if self._explore else self.k_min
+        a = min(max(self.hits / self.trials, 0.0), 0.995)
+        t_d = self.t_draft if self.t_draft is not None else self.byte_ratio * self.verify_seconds(1)
         best_k, best = self.k_min, -1.0
         for k in range(self.k_min, self.k_max + 1):
             tau = (1 - a ** (k + 1)) / (1 - a)
-            rate = tau / (k * c + self._v(k + 1))
+            rate = tau / (k * t_d + self.verify_seconds(k + 1))
             if rate > best:
                 best_k, best = k, rate
         return best_k
