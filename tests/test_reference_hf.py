@@ -10,9 +10,9 @@ import torch
 
 import qspec
 
-LOGITS_ATOL_TORCH = 2e-3   # FP32 math, FP32 KV: op-order differences only
-LOGITS_ATOL_NATIVE = 0.15  # FP32 math, BF16 KV cache (DESIGN.md): K/V rounded to 8 mantissa bits
-NEAR_TIE_TORCH = 1e-3
+LOGITS_ATOL_TORCH = 1e-4   # FP32 math, FP32 KV: the same op order as transformers (measured: 0)
+LOGITS_ATOL_NATIVE = 0.15  # FP32 math, BF16 KV cache (DESIGN.md): K/V rounded to 8 bits (measured <= 0.10)
+NEAR_TIE_TORCH = 1e-4
 NEAR_TIE_NATIVE = 0.15
 N_NEW = 64
 
