@@ -140,13 +140,18 @@ def _cmd_convert(a: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(a: argparse.Namespace) -> int:
-    from .draft import save_draft_file
-    from .engine import DEFAULT_DRAFT, load
+    from .config import ModelConfig
+    from .default_model import default_model_dir
+    from .draft import DraftSpec, save_draft_file
+    from .engine import DEFAULT_DRAFT
+    from .loader import check_model_dir, load_weights
+    from .native import cast_draft
 
-    fmt = a.format or DEFAULT_DRAFT.fmt
-    engine = load(a.model, draft=fmt, draft_lm_head=a.lm_head or "bf16")
-    out = Path(a.out) if a.out else engine.model_dir / f"draft-{fmt}.qspec.safetensors"
-    save_draft_file(out, engine.model_dir, engine.draft, engine.backend.draft_packed)
+    spec = DraftSpec(a.format or DEFAULT_DRAFT.fmt, a.lm_head or "bf16")
+    model_dir = check_model_dir(a.model if a.model else default_model_dir())
+    weights = load_weights(model_dir, ModelConfig.from_file(model_dir / "config.json"))
+    out = Path(a.out) if a.out else model_dir / f"draft-{spec.fmt}.qspec.safetensors"
+    save_draft_file(out, model_dir, spec, cast_draft(weights, spec))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
     return 0
 

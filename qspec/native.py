@@ -38,6 +38,17 @@ def fused_layer_matrices(lw) -> dict[str, torch.Tensor]:
     }
 
 
+def cast_draft(weights: ModelWeights, spec: DraftSpec) -> dict:
+    """The draft's packed MX matrices, by direct cast of the target's own BF16 weights."""
+    packed = {}
+    for i, lw in enumerate(weights.layers):
+        for k, w in fused_layer_matrices(lw).items():
+            packed[f"layers.{i}.{k}"] = pack_mx_matrix(w, spec.fmt)
+    if spec.lm_head != "bf16":
+        packed["lm_head"] = pack_mx_matrix(weights.lm_head, spec.lm_head)
+    return packed
+
+
 class NativeBackend:
     """Target (BF16) and optional draft (MX) weight sets over one KV cache."""
 
@@ -55,23 +66,18 @@ class NativeBackend:
             bf16_numpy(self._embed), weights.norm.float().numpy())
         self.draft = draft
         self.target_bytes = self.draft_bytes = 0
-        packed_draft = dict(draft_packed or {})
         for i, lw in enumerate(weights.layers):
-            mats = fused_layer_matrices(lw)
-            tgt = {k: _C.pack_bf16(bf16_numpy(v)) for k, v in mats.items()}
+            tgt = {k: _C.pack_bf16(bf16_numpy(v)) for k, v in fused_layer_matrices(lw).items()}
             self.model.set_layer(TARGET, i, *(tgt[k] for k in MATRICES))
             self.target_bytes += sum(p.nbytes for p in tgt.values())
-            if draft is not None and draft_packed is None:
-                for k in MATRICES:
-                    packed_draft[f"layers.{i}.{k}"] = pack_mx_matrix(mats[k], draft.fmt)
             bqkv = None if lw.bq is None else torch.cat([lw.bq, lw.bk, lw.bv]).float().numpy()
             self.model.set_layer_norms(i, lw.attn_norm.float().numpy(), lw.mlp_norm.float().numpy(), bqkv)
         self.lm_head = _C.pack_bf16(bf16_numpy(weights.lm_head))
         self.target_bytes += self.lm_head.nbytes
         self.model.set_lm_head(TARGET, self.lm_head)
+        packed_draft = {}
         if draft is not None:
-            if draft.lm_head != "bf16" and draft_packed is None:
-                packed_draft["lm_head"] = pack_mx_matrix(weights.lm_head, draft.lm_head)
+            packed_draft = draft_packed if draft_packed is not None else cast_draft(weights, draft)
             try:
                 for i in range(cfg.n_layers):
                     self.model.set_layer(DRAFT, i, *(packed_draft[f"layers.{i}.{k}"] for k in MATRICES))
@@ -81,7 +87,7 @@ class NativeBackend:
             self.model.set_lm_head(DRAFT, head)
             self.draft_bytes = sum(p.nbytes for p in packed_draft.values()) + \
                 (self.lm_head.nbytes if "lm_head" not in packed_draft else 0)
-        self.draft_packed = packed_draft  # what `qspec quantize` stores
+        self.draft_packed = packed_draft  # the draft matrices, as a draft file holds them
         self._rope_positions = 0
         self._logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
 
