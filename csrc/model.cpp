@@ -150,9 +150,25 @@ class Model {
     return sets_[set].complete(n_layers_);
   }
 
-  // tokens [m] at positions start_pos..; logits [m or 1, vocab]. Returns seconds per phase.
+  // Seconds spent per phase since the last reset (GEMM, attention, everything else in forward):
+  // the host overhead outside the kernels, measured rather than guessed.
+  struct Profile {
+    double gemm = 0, attention = 0, total = 0;
+    int64_t calls = 0;
+  };
+  const Profile& profile() const { return prof_; }
+  void profile_reset() { prof_ = Profile(); }
+
+  // tokens [m] at positions start_pos..; logits [m or 1, vocab].
   void forward(const int32_t* tokens, int64_t m, int64_t start_pos, const KvCacheView& kv, int set,
                bool all_logits, float* logits) {
+    using clock = std::chrono::steady_clock;
+    const auto t_start = clock::now();
+    auto timed_gemm = [&](const PackedWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t rows) {
+      const auto t0 = clock::now();
+      gemm(w, x, rows, ldx, y, ldy);
+      prof_.gemm += std::chrono::duration<double>(clock::now() - t0).count();
+    };
     const WeightSet& ws = sets_[set];
     const int64_t qkv_n = (n_heads_ + 2 * n_kv_) * hd_, q_n = n_heads_ * hd_, kv_n = n_kv_ * hd_;
     h_.resize(m * d_);
@@ -173,7 +189,7 @@ class Model {
       const LayerSet& L = ws.layers[l];
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]);
-      gemm(*L.wqkv, x_.data(), m, d_, qkv_.data(), qkv_n);
+      timed_gemm(*L.wqkv, x_.data(), d_, qkv_.data(), qkv_n, m);
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) {
         float* row = &qkv_[r * qkv_n];
@@ -200,12 +216,14 @@ class Model {
       a.layer = l;
       a.scale = 1.0f / std::sqrt(float(hd_));
       a.kv = kv;
+      const auto t_att = clock::now();
       attention(a);
-      gemm(*L.wo, att_.data(), m, q_n, tmp_.data(), d_);
+      prof_.attention += std::chrono::duration<double>(clock::now() - t_att).count();
+      timed_gemm(*L.wo, att_.data(), q_n, tmp_.data(), d_, m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]);
-      gemm(*L.wgu, x_.data(), m, d_, gu_.data(), 2 * f_);
+      timed_gemm(*L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) {
         const float* g = &gu_[r * 2 * f_];
@@ -213,12 +231,14 @@ class Model {
         float* o = &act_[r * f_];
         for (int64_t i = 0; i < f_; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
       }
-      gemm(*L.wdown, act_.data(), m, f_, tmp_.data(), d_);
+      timed_gemm(*L.wdown, act_.data(), f_, tmp_.data(), d_, m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }
     const int64_t first = all_logits ? 0 : m - 1, rows = m - first;
     for (int64_t r = first; r < m; ++r) rms_norm(&h_[r * d_], norm_.data(), eps_, d_, &x_[(r - first) * d_]);
-    gemm(*ws.lm_head, x_.data(), rows, d_, logits, vocab_);
+    timed_gemm(*ws.lm_head, x_.data(), d_, logits, vocab_, rows);
+    prof_.total += std::chrono::duration<double>(clock::now() - t_start).count();
+    prof_.calls += 1;
   }
 
   int64_t vocab() const { return vocab_; }
@@ -247,6 +267,7 @@ class Model {
   std::vector<float> cos_, sin_;
   int64_t rope_positions_ = 0;
   std::vector<float> h_, x_, qkv_, q_, att_, gu_, act_, tmp_;  // scratch, reused across calls
+  Profile prof_;
 };
 
 }  // namespace
@@ -264,6 +285,17 @@ void bind_model(py::module_& m) {
       .def("set_rope", &Model::set_rope, py::arg("cos"), py::arg("sin"))
       .def("has_set", &Model::has_set, py::arg("set"))
       .def_property_readonly("rope_positions", &Model::rope_positions)
+      .def("profile", [](const Model& self) {
+        const auto& p = self.profile();
+        py::dict d;
+        d["gemm_s"] = p.gemm;
+        d["attention_s"] = p.attention;
+        d["other_s"] = p.total - p.gemm - p.attention;
+        d["total_s"] = p.total;
+        d["calls"] = p.calls;
+        return d;
+      }, "seconds in GEMM, attention and the rest of forward() since profile_reset()")
+      .def("profile_reset", &Model::profile_reset)
       .def(
           "forward",
           [](Model& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start_pos,
