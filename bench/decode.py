@@ -32,17 +32,21 @@ def run(args) -> list[dict]:
     n_new = 32 if args.quick else 128
     tps, prefill = [], []
     eng.generate(prompts[0], max_new_tokens=8)  # warm-up
+    eng.backend.model.profile_reset()
     for p in prompts:
         s = eng.generate(p, max_new_tokens=n_new, chat=True).stats
         tps.append(s["tokens_per_s"])
         prefill.append(s["prefill_s"] / s["prompt_tokens"])
+    prof = eng.backend.model.profile()  # includes the prefills; decode dominates
     wbytes = eng.backend.target_bytes
     floor = bw * 1e9 / wbytes
     r = {"model": "SmolLM2-135M-Instruct", "weights": "real", "threads": args.threads,
          "tokens_per_s": statistics.median(tps), "floor_tokens_per_s": floor,
          "pct_of_floor": 100 * statistics.median(tps) / floor, "weight_mb": wbytes / 1e6,
          "prefill_ms_per_token": 1e3 * statistics.median(prefill), "prompts": len(prompts), "new_tokens": n_new,
-         "bw_gbps": bw, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+         "bw_gbps": bw, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+         "gemm_pct": 100 * prof["gemm_s"] / prof["total_s"], "attention_pct": 100 * prof["attention_s"] / prof["total_s"],
+         "outside_kernels_pct": 100 * prof["other_s"] / prof["total_s"]}
     rows.append(r)
     out.write(r)
     del eng
@@ -58,7 +62,7 @@ def run(args) -> list[dict]:
         del be
     out.close()
     print(fmt_table(rows, ["model", "threads", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor",
-                           "weight_mb", "bw_gbps"]))
+                           "weight_mb", "bw_gbps", "gemm_pct", "attention_pct", "outside_kernels_pct"]))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
