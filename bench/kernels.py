@@ -7,11 +7,25 @@ to exceed the last-level cache, so bytes really come from DRAM (as in decoding).
   gbps      = (packed weight bytes incl. scales + x + y) / median time
   pct_of_bw = gbps / read bandwidth measured in the same run at the same thread count
   vs_torch  = torch time / our time (> 1: we are faster)
+
+`--shapes 1536x576,4096x4096` benchmarks just those N x K shapes (model "custom");
+`--no-torch` skips the torch baseline. A/B against a saved build of the extension: set
+QSPEC_BENCH_SO=/path/to/_C.cpython-*.so (loaded in place of qspec._C; run the two builds as
+alternating processes and compare medians).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import sys
+
+if os.environ.get("QSPEC_BENCH_SO"):  # A/B: another build of the extension (before bench.common)
+    _spec = importlib.util.spec_from_file_location("qspec._C", os.environ["QSPEC_BENCH_SO"])
+    _mod = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+    sys.modules["qspec._C"] = _mod
 
 import numpy as np
 import torch
@@ -81,6 +95,8 @@ def run(args) -> list[dict]:
     rng = np.random.default_rng(0)
     cases = [(mdl, lay, n, k) for mdl, layers in MODELS.items() for lay, n, k in layers
              if (not args.quick or (mdl, lay) in QUICK) and (not args.models or mdl in args.models)]
+    if args.shapes:
+        cases = [("custom", f"{n}x{k}", n, k) for n, k in args.shapes]
     ms = args.ms or (QUICK_MS if args.quick else MS)
     formats = args.formats or (QUICK_FORMATS if args.quick else FORMATS)
     budget = 0.15 if args.quick else 0.5
@@ -91,7 +107,7 @@ def run(args) -> list[dict]:
             wbits = ((wbits + 0x7FFF + ((wbits >> 16) & 1)) >> 16).astype(np.uint16)
             tw = torch.from_numpy(wbits.view(np.int16)).view(torch.bfloat16)
             tbytes = tw.numel() * 2
-            tws = [tw] + [tw.clone() for _ in range(max(0, -(-ROTATE_BYTES // tbytes) - 1))]
+            tws = [] if args.no_torch else [tw] + [tw.clone() for _ in range(max(0, -(-ROTATE_BYTES // tbytes) - 1))]
             for fmt in formats:
                 ws = copies_of(synthetic_weight(rng, fmt, n, k, wbits), ROTATE_BYTES)
                 for m in ms:
@@ -103,12 +119,14 @@ def run(args) -> list[dict]:
                     paths = [p for p in _C.gemm_paths(ws[0], m) if p != "ref"]
                     fns = {p: Rotating(ws, lambda w, p=p: _C.gemm(w, x, y, p)) for p in paths}
                     with torch.inference_mode():
-                        fns["torch"] = Rotating(tws, lambda w: F.linear(tx, w))
+                        if tws:
+                            fns["torch"] = Rotating(tws, lambda w: F.linear(tx, w))
                         reps = min(reps_for(f, budget / len(fns)) for f in fns.values())
                         st = time_interleaved(fns, warmup=1, reps=reps)
                     nbytes = ws[0].nbytes + 4 * m * (k + n)
                     for p in paths:
                         s = st[p].median
+                        ts = st["torch"].median if tws else float("nan")
                         gbps = nbytes / s / 1e9
                         row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": p, "isa": p,
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
@@ -117,8 +135,7 @@ def run(args) -> list[dict]:
                                "us_max": st[p].max * 1e6, "reps": st[p].n, "bytes": nbytes,
                                "gbps": gbps, "pct_of_bw": 100 * gbps / bw, "bw_gbps": bw,
                                "tflops": 2 * m * n * k / s / 1e12,
-                               "us_torch": st["torch"].median * 1e6,
-                               "vs_torch": st["torch"].median / s}
+                               "us_torch": ts * 1e6, "vs_torch": ts / s}
                         rows.append(row)
                         out.write(row)
                         print(f"{mdl:13s} {lay:8s} {fmt:11s} {p:6s} M={m:<4d} {n:6d}x{k:<6d} "
@@ -144,9 +161,11 @@ def summarize(rows: list[dict]) -> None:
             table.append({"model": mdl, "layer": lay, "fmt": fmt, "path": d[1]["path"],
                           "M1_us": d[1]["us_median"], "M1_pct_bw": d[1]["pct_of_bw"],
                           "M1_vs_torch": d[1]["vs_torch"],
-                          "M8/M1": d[8]["us_median"] / d[1]["us_median"] if 8 in d else float("nan")})
+                          **{f"M{m}/M1": d[m]["us_median"] / d[1]["us_median"] if m in d else float("nan")
+                             for m in (2, 3, 4, 5, 8)}})
     print()
-    print(fmt_table(table, ["model", "layer", "fmt", "path", "M1_us", "M1_pct_bw", "M1_vs_torch", "M8/M1"]))
+    print(fmt_table(table, ["model", "layer", "fmt", "path", "M1_us", "M1_pct_bw", "M1_vs_torch",
+                            "M2/M1", "M3/M1", "M4/M1", "M5/M1", "M8/M1"]))
 
 
 def plot(rows: list[dict], path: str, ctx: dict, bw: float) -> None:
@@ -193,6 +212,9 @@ def main(argv=None) -> None:
                     help=f"comma list (default {','.join(FORMATS)}; quick {','.join(QUICK_FORMATS)})")
     ap.add_argument("--ms", type=csv(int), default=None, help="comma list of M (default 1,2,4,8,16,64,256)")
     ap.add_argument("--models", type=csv(str), default=None, help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--shapes", type=csv(lambda v: tuple(int(t) for t in v.split("x"))), default=None,
+                    help="comma list of NxK shapes (instead of the model layers)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch F.linear baseline")
     run(ap.parse_args(argv))
 
 

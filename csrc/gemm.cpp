@@ -24,6 +24,8 @@ namespace qspec {
 
 using detail::GemmArgs;
 using detail::kKBlk;
+using detail::kQ6BlockBytes;
+using detail::kQ6PairBytes;
 using detail::kRows;
 
 // ---------------------------------------------------------------------------------------------
@@ -48,6 +50,7 @@ std::vector<std::pair<std::string, size_t>> packed_buffer_sizes(WFormat fmt, int
   switch (fmt) {
     case WFormat::bf16: return {{"data", np * kp * 2}};
     case WFormat::mxfp4: return {{"data", np * kp / 2}, {"scales", np * kp / kKBlk}};
+    case WFormat::mxfp6_e2m3: return {{"data", np * kp * 3 / 4}, {"scales", np * kp / kKBlk}};
     default: return {{"data", np * kp}, {"scales", np * kp / kKBlk}};
   }
 }
@@ -74,8 +77,8 @@ int decode_kind(WFormat f) {
     case WFormat::mxfp4: return detail::kQ4;
     case WFormat::mxfp8_e5m2:
     case WFormat::mxfp6_e3m2: return detail::kF16Shl;
-    case WFormat::mxfp8_e4m3:
-    case WFormat::mxfp6_e2m3: return detail::kF16Sra;
+    case WFormat::mxfp6_e2m3: return detail::kQ6;
+    case WFormat::mxfp8_e4m3: return detail::kF16Sra;
     case WFormat::mxint8: return detail::kI8;
   }
   throw std::invalid_argument("unknown weight format");
@@ -87,6 +90,7 @@ float elem_factor(WFormat f) {
     case detail::kF16Shl:
     case detail::kF16Sra: return std::ldexp(1.0f, 15 - mx_format(f).bias);
     case detail::kI8: return 1.0f / 64.0f;
+    case detail::kQ6: return 0.25f;  // xd = Q8 scale / 2, E2M3 codes held as value * 8
     default: return 1.0f;
   }
 }
@@ -137,6 +141,12 @@ std::shared_ptr<PackedWeight> pack_mx(WFormat fmt, const uint8_t* codes, const u
           if (fmt == WFormat::mxfp4) {
             uint8_t& byte = d[(nb * (kp / 4) + c / 4) * 32 + (r % 8) * 4 + (c % 4)];
             byte |= r < 8 ? code : uint8_t(code << 4);
+          } else if (fmt == WFormat::mxfp6_e2m3) {
+            const int64_t slab = (c % kKBlk) / 4, j = (r % 8) * 4 + (c % 4);
+            uint8_t* pair = d + (nb * kb + b) * detail::kQ6BlockBytes + (slab / 2) * detail::kQ6PairBytes;
+            pair[(slab % 2) * 32 + j] |= r < 8 ? uint8_t(code & 15) : uint8_t((code & 15) << 4);
+            const int t = int(slab % 2) * 2 + (r >= 8);
+            pair[64 + j] |= uint8_t((((code >> 4) & 1) << (7 - t)) | ((code >> 5) << (3 - t)));
           } else {
             if (e4m3 && (code & 0x7F) == 0x7F) sc = kE8M0Nan;  // NaN element -> NaN block
             if (fp6) code = uint8_t(((code & 0x20) << 2) | (code & 0x1F));
@@ -213,6 +223,19 @@ float ref_element(const GemmArgs& a, int64_t row, int64_t c) {
   return half_to_float(h);
 }
 
+// MXFP6 E2M3 element held as an integer: 8 * E2M3 value in [-60, 60] (layout: gemm_internal.h).
+int ref_q6_element(const GemmArgs& a, int64_t row, int64_t c) {
+  const int64_t nb = row / kRows, r = row % kRows, b = c / kKBlk, slab = (c % kKBlk) / 4;
+  const int64_t j = (r % 8) * 4 + (c % 4);
+  const int t = int(slab % 2) * 2 + (r >= 8);
+  const uint8_t* pair = a.data + (nb * (a.kp / kKBlk) + b) * kQ6BlockBytes + (slab / 2) * kQ6PairBytes;
+  const uint8_t nib = r < 8 ? (pair[(slab % 2) * 32 + j] & 15) : (pair[(slab % 2) * 32 + j] >> 4);
+  const int e1 = (pair[64 + j] >> (7 - t)) & 1, sign = (pair[64 + j] >> (3 - t)) & 1;
+  const int e = e1 * 2 + (nib >> 3), m = nib & 7;
+  const int mag = e == 0 ? m : (8 + m) << (e - 1);
+  return sign ? -mag : mag;
+}
+
 // MXFP4 element held doubled as an integer: 2 * E2M1 value in [-12, 12].
 int ref_q4_element(const GemmArgs& a, int64_t row, int64_t c) {
   static const int kDoubledE2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -236,6 +259,14 @@ float ref_dot(const GemmArgs& a, int64_t row, int64_t i) {
       int32_t isum = 0;  // exact
       for (int64_t c = b * kKBlk; c < (b + 1) * kKBlk; ++c) isum += ref_q4_element(a, row, c) * q[c];
       const float d = ref_scale(a, row, b) * a.xd[i * (a.kp / kKBlk) + b];
+      y = std::fma(float(isum), d, y);
+    }
+  } else if (a.kind == kQ6) {
+    const int8_t* q = a.xq + i * a.kp;
+    for (int64_t b = 0; b < a.kp / kKBlk; ++b) {
+      int32_t isum = 0;  // exact: |isum| <= 32 * 60 * 127
+      for (int64_t c = b * kKBlk; c < (b + 1) * kKBlk; ++c) isum += ref_q6_element(a, row, c) * q[c];
+      const float d = ref_scale(a, row, b) * (a.xd[i * (a.kp / kKBlk) + b] * a.elem_factor);
       y = std::fma(float(isum), d, y);
     }
   } else {
@@ -354,7 +385,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   std::vector<int32_t> xc;
   std::vector<uint16_t> xbf;
   const bool bf16_act = p == GemmPath::avx512_bf16 || p == GemmPath::amx;
-  if (a.kind == detail::kQ4) {
+  if (a.kind == detail::kQ4 || a.kind == detail::kQ6) {
     xq.resize(size_t(m * a.kp));
     xd.resize(size_t(m * a.kp / kKBlk));
     xc.resize(xd.size());

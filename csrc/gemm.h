@@ -4,14 +4,18 @@
 // with the same instructions in the same order whatever M is and whatever the other rows of
 // x hold, and whatever the thread count (threads split N only; K is never split).
 //
-// Packed layouts (kPackLayoutVersion 1). N is padded to a multiple of 16 (one row block),
+// Packed layouts (kPackLayoutVersion 2). N is padded to a multiple of 16 (one row block),
 // K to a multiple of 32 (one MX block); padding holds zero weights.
 //   bf16          "data"   [N/16][K/2][16 rows][2 k] bf16   (VNNI pairs: AVX512-BF16 / AMX B tile)
 //   mxfp4         "data"   [N/16][K/4][32 bytes]: one 16-row x 4-k slab as nibbles; byte j<16
 //                          holds rows 0-3 (low nibble) / rows 8-11 (high nibble), byte 16+j rows
 //                          4-7 / 12-15, element (row r, k c) at j = (r%4)*4 + c
 //                 "scales" [N/16][K/32][16 rows] E8M0
-//   other MX      "data"   [N/16][K][16 rows], one byte per code (FP6 too: 8 bits/weight),
+//   mxfp6_e2m3    "data"   [N/16][K/32][4 slab pairs][96 bytes], 6 bits/weight: per pair the
+//                          nibbles (code bits 0-3) of two 16-row x 4-k slabs in the mxfp4 slab
+//                          layout, then a 32-byte plane of code bits 4 (e1) and 5 (sign), bit
+//                          order in gemm_internal.h (kQ6); "scales" as mxfp4
+//   other MX      "data"   [N/16][K][16 rows], one byte per code (E3M2: 8 bits/weight),
 //                          sign moved to bit 7 (FP6); "scales" as mxfp4. An E4M3 NaN code
 //                          makes its block scale NaN at pack time (same result: y is NaN).
 //
@@ -22,7 +26,9 @@
 //   mxfp4         x quantized per 32-block to int8 (Q8: d = max|x|/127, q = rne(x/d)); per block
 //                 the exact integer dot sum(2*e2m1 * q) then y = fma(float(isum), e8m0*d/2, y).
 //                 Every path is bit-identical to ref.
-//   FP6/FP8/INT8  per block b = fma chain over the 32 k (element decoded exactly, shifted by
+//   mxfp6_e2m3    as mxfp4 (same Q8 activations) with the exact integer dot sum(8*e2m3 * q),
+//                 then y = fma(float(isum), e8m0 * (d/2 * 0.25), y). Bit-identical to ref.
+//   E3M2/FP8/INT8 per block b = fma chain over the 32 k (element decoded exactly, shifted by
 //                 a power of two f), then y = fma(b*f, e8m0, y). Every path bit-identical to ref.
 #pragma once
 #include <cstddef>
@@ -61,7 +67,7 @@ std::shared_ptr<PackedWeight> packed_from_buffers(
     WFormat fmt, int64_t n, int64_t k, const std::map<std::string, std::pair<const uint8_t*, size_t>>& bufs,
     std::shared_ptr<void> keepalive);
 
-constexpr int kPackLayoutVersion = 1;  // bump when any packed layout changes
+constexpr int kPackLayoutVersion = 2;  // bump when any packed layout changes
 
 std::shared_ptr<PackedWeight> pack_bf16(const uint16_t* w, int64_t n, int64_t k);
 // codes: one code per byte [n, kpad], kpad = ceil(k/32)*32; scales: E8M0 [n, kpad/32].

@@ -19,7 +19,15 @@ enum Kind : int {
   kF16Shl = 2,  // byte << 8 is an fp16 of the value * 2^(bias-15)   (E5M2, E3M2)
   kF16Sra = 3,  // (byte << 8) >>arith 1, bit 14 cleared: fp16 too   (E4M3, E2M3)
   kI8 = 4,      // int8 code                                          (MXINT8)
+  kQ6 = 5,      // MXFP6 E2M3 at 6 bits (nibble slabs + 2-bit planes), int8 activations (Q8)
 };
+
+// kQ6 layout: per row block and MX block, 4 slab pairs of 96 bytes (kQ6PairBytes): the
+// nibbles of slab 2p (32 bytes, the MXFP4 slab layout), of slab 2p+1, then a 32-byte plane
+// whose byte j holds, for lane j of the four nibble vectors (slab parity sp, half h,
+// t = 2*sp + h), bit 7-t = e1 (code bit 4) and bit 3-t = sign (code bit 5).
+constexpr int kQ6PairBytes = 96;
+constexpr int kQ6BlockBytes = 4 * kQ6PairBytes;  // 16 rows x 32 k x 6 bits
 
 // One GEMM call as the kernels see it. Activations are already prepared by the driver:
 // fp32 rows zero-padded to kp (x, ldx), or for kQ4 the Q8 rows (xq [m][kp], xd/xc [m][kp/32]).
@@ -33,7 +41,7 @@ struct GemmArgs {
   const float* x = nullptr;
   int64_t ldx = 0;
   const int8_t* xq = nullptr;   // Q8 codes
-  const float* xd = nullptr;    // Q8 scale * 0.5 (E2M1 codes are held doubled)
+  const float* xd = nullptr;    // Q8 scale * 0.5 (E2M1 codes are held doubled; kQ6: * elem_factor)
   const int32_t* xc = nullptr;  // 12 * sum(q): the LUT adds 12 so codes are unsigned
   const uint16_t* xbf = nullptr;  // x rounded to bf16, [mpad][kp] (avx512_bf16 / amx)
   int64_t mpad = 0;

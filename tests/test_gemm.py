@@ -12,6 +12,7 @@ from qspec import _C
 
 MX_FORMATS = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8"]
 ALL_FORMATS = ["bf16"] + MX_FORMATS
+Q8_FORMATS = ["mxfp4", "mxfp6_e2m3"]  # activations quantized to int8 per 32-block, integer dots
 # (bits, exponent bits, mantissa bits, bias) per element format (OCP MX v1.0)
 FMT = {
     "mxfp4": (4, 2, 1, 1),
@@ -151,14 +152,14 @@ def test_packed_properties_and_sizes(fmt, rng):
     pw, _ = make_weight(rng, fmt, n, k)
     assert (pw.fmt, pw.n, pw.k) == (fmt, n, k)
     np_, kp = 48, 128
-    bits_per_weight = {"bf16": 16, "mxfp4": 4.25}.get(fmt, 8.25)
+    bits_per_weight = {"bf16": 16, "mxfp4": 4.25, "mxfp6_e2m3": 6.25}.get(fmt, 8.25)
     assert pw.nbytes == int(np_ * kp * bits_per_weight / 8)
     bufs = pw.buffers()
     assert sum(b.nbytes for b in bufs.values()) == pw.nbytes
     assert all(b.dtype == np.uint8 and not b.flags.writeable for b in bufs.values())
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp6_e3m2"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2"])
 def test_from_buffers_borrows_zero_copy(fmt, rng):
     n, k = 20, 70
     pw, _ = make_weight(rng, fmt, n, k)
@@ -233,24 +234,25 @@ def test_ref_matches_float64(fmt, rng):
         y = _C.gemm(pw, x, path="ref").astype(np.float64)
         exact = x.astype(np.float64) @ w.T
         bound = REF_VS_F64_TOL * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
-        if fmt == "mxfp4":
+        if fmt in Q8_FORMATS:
             bound = bound + q8_error_bound(x.astype(np.float64), w)
         err = np.abs(y - exact)
         assert (err <= bound).all(), (fmt, m, k, n, (err / bound).max())
 
 
-def test_mxfp4_ref_is_q8_exact(rng):
-    """MXFP4 = x quantized per 32-block to int8 (RNE of x*127/amax), exact integer dots."""
+@pytest.mark.parametrize("fmt", Q8_FORMATS)
+def test_q8_formats_ref_is_q8_exact(fmt, rng):
+    """MXFP4 / MXFP6-E2M3 = x quantized per 32-block to int8 (RNE of x*127/amax), exact integer dots."""
     m, k, n = 3, 96, 15
-    codes, scales = random_mx(rng, "mxfp4", n, k)
-    pw = _C.pack_mx("mxfp4", codes, scales, k)
+    codes, scales = random_mx(rng, fmt, n, k)
+    pw = _C.pack_mx(fmt, codes, scales, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     xb = x.reshape(m, -1, 32)
     amax = np.abs(xb).max(axis=2, keepdims=True)
     d = (amax / np.float32(127)).astype(np.float32)
     q = np.rint(xb * (np.float32(1) / d)).astype(np.float64)
     xq = (q * d.astype(np.float64)).reshape(m, k)
-    exact = xq @ dequant("mxfp4", codes, scales, k).T
+    exact = xq @ dequant(fmt, codes, scales, k).T
     y = _C.gemm(pw, x, path="ref")
     np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-6 * np.abs(exact).max())
 
@@ -258,16 +260,18 @@ def test_mxfp4_ref_is_q8_exact(rng):
 def test_special_values(rng):
     k, n = 64, 16
     # E8M0 0xFF is NaN: its row is NaN; 0x00 is 2^-127 (tiny, not zero).
-    codes, scales = random_mx(rng, "mxfp4", n, k)
-    scales[3, 1] = 255
-    scales[5, :] = 0
-    codes[5, :] = 7  # 6.0
-    pw = _C.pack_mx("mxfp4", codes, scales, k)
     x = np.ones((2, k), np.float32)
-    for p in paths_for(pw, 2):
-        y = _C.gemm(pw, x, path=p)
-        assert np.isnan(y[:, 3]).all() and np.isfinite(np.delete(y, 3, axis=1)).all()
-        np.testing.assert_allclose(y[:, 5], 6.0 * 64 * 2.0 ** -127, rtol=1e-5)  # Q8: d = 1/127
+    # (format, code of the max element, its value, rtol: the product of scales is an fp32 subnormal)
+    for fmt, code, val, rtol in [("mxfp4", 7, 6.0, 1e-5), ("mxfp6_e2m3", 31, 7.5, 1e-3)]:
+        codes, scales = random_mx(rng, fmt, n, k)
+        scales[3, 1] = 255
+        scales[5, :] = 0
+        codes[5, :] = code
+        pw = _C.pack_mx(fmt, codes, scales, k)
+        for p in paths_for(pw, 2):
+            y = _C.gemm(pw, x, path=p)
+            assert np.isnan(y[:, 3]).all() and np.isfinite(np.delete(y, 3, axis=1)).all()
+            np.testing.assert_allclose(y[:, 5], val * 64 * 2.0 ** -127, rtol=rtol)  # Q8: d = 1/127
     # E4M3 NaN code -> NaN; E5M2 Inf code -> Inf
     for fmt, code, check in [("mxfp8_e4m3", 0x7F, np.isnan), ("mxfp8_e5m2", 0x7C, np.isinf)]:
         codes, scales = random_mx(rng, fmt, n, k)

@@ -217,6 +217,89 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, facc[i][j][h]);
 }
 
+// ----------------------------------------------------------------------------- MXFP6 E2M3 (Q8)
+// Element * 8 is an integer in [-60, 60]: magnitude = nibble (e1 = 0: e0 m2 m1 m0 is already
+// 8*value) or LUT[nibble] (e1 = 1: 16 + 2m or 32 + 4m), the sign goes onto the activation byte.
+// The plane bit for vector t is moved to bit 7 of each byte by a 16-bit shift (blendv reads
+// bit 7 only). Bounds: a vpmaddubsw pair <= 2*60*127 = 15240, two slabs summed in int16 <= 30480.
+template <int MB, int NB>
+void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  const int64_t kb = a.kp / kKBlk;
+  __m256 facc[MB][NB][2];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h)
+        facc[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
+  const uint8_t* w[NB];
+  const uint8_t* s[NB];
+  for (int j = 0; j < NB; ++j) {
+    w[j] = a.data + (nb + j) * kb * kQ6BlockBytes;
+    s[j] = a.scales + (nb + j) * kb * kRows;
+  }
+  const int8_t* q[MB];
+  for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
+  const __m256i lut1 = _mm256_setr_epi8(16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48, 52, 56, 60,
+                                        16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48, 52, 56, 60);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
+    __m256i isum[MB][NB][2];
+    for (int p = 0; p < 4; ++p) {
+      if (p % 2 == 0)
+        for (int j = 0; j < NB; ++j) {
+          const char* pf = reinterpret_cast<const char*>(w[j] + b * kQ6BlockBytes + p * kQ6PairBytes + a.prefetch);
+          _mm_prefetch(pf, _MM_HINT_T0);
+          _mm_prefetch(pf + 64, _MM_HINT_T0);
+          _mm_prefetch(pf + 128, _MM_HINT_T0);
+        }
+      __m256i s16[MB][NB][2];
+      for (int sp = 0; sp < 2; ++sp) {
+        __m256i xq[MB], nq[MB];
+        for (int i = 0; i < MB; ++i) {
+          int32_t q4;
+          std::memcpy(&q4, q[i] + b * kKBlk + (2 * p + sp) * 4, 4);
+          xq[i] = _mm256_set1_epi32(q4);
+          nq[i] = _mm256_sub_epi8(_mm256_setzero_si256(), xq[i]);
+        }
+        for (int j = 0; j < NB; ++j) {
+          const uint8_t* base = w[j] + b * kQ6BlockBytes + p * kQ6PairBytes;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + sp * 32));
+          const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 64));
+          for (int h = 0; h < 2; ++h) {
+            const int t = sp * 2 + h;
+            const __m256i idx = h == 0 ? _mm256_and_si256(v, low4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            const __m256i em = t == 0 ? pl : _mm256_slli_epi16(pl, t);
+            const __m256i sm = _mm256_slli_epi16(pl, 4 + t);
+            const __m256i mag = _mm256_blendv_epi8(idx, _mm256_shuffle_epi8(lut1, idx), em);
+            for (int i = 0; i < MB; ++i) {
+              const __m256i prod = _mm256_maddubs_epi16(mag, _mm256_blendv_epi8(xq[i], nq[i], sm));
+              s16[i][j][h] = sp == 0 ? prod : _mm256_add_epi16(s16[i][j][h], prod);
+            }
+          }
+        }
+      }
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i s32 = _mm256_madd_epi16(s16[i][j][h], ones);
+            isum[i][j][h] = p == 0 ? s32 : _mm256_add_epi32(isum[i][j][h], s32);
+          }
+    }
+    for (int j = 0; j < NB; ++j) {
+      __m256 d[2];
+      e8m0x16(s[j] + b * kRows, d[0], d[1]);
+      for (int i = 0; i < MB; ++i) {
+        const __m256 xd = _mm256_set1_ps(a.xd[(m0 + i) * kb + b] * a.elem_factor);
+        for (int h = 0; h < 2; ++h)
+          facc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j][h]), _mm256_mul_ps(d[h], xd), facc[i][j][h]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, facc[i][j][h]);
+}
+
 // ----------------------------------------------------------------------------- driver
 int env_int(const char* name, int dflt) {  // tuning knob, read once per call (cheap)
   const char* v = std::getenv(name);
@@ -234,12 +317,14 @@ using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, flo
                                   {tmpl<6, 1>, nullptr, nullptr, nullptr}};
 template <int MB, int NB> void bf16_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void q4_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
+template <int MB, int NB> void q6_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q6_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void shl_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Shl, MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void sra_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Sra, MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void i8_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kI8, MB, NB>(a, nb, m0, k0, k1, acc, init); }
 
 QSPEC_TILE_TABLE(kBf16Tiles, bf16_fn)
 QSPEC_TILE_TABLE(kQ4Tiles, q4_fn)
+QSPEC_TILE_TABLE(kQ6Tiles, q6_fn)
 QSPEC_TILE_TABLE(kShlTiles, shl_fn)
 QSPEC_TILE_TABLE(kSraTiles, sra_fn)
 QSPEC_TILE_TABLE(kI8Tiles, i8_fn)
@@ -249,9 +334,10 @@ QSPEC_TILE_TABLE(kI8Tiles, i8_fn)
 
 void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc) {
   GemmArgs a = args;
-  if (a.prefetch == 0) a.prefetch = env_int("QSPEC_PF", a.kind == kQ4 ? 4096 : 1024);
+  if (a.prefetch == 0) a.prefetch = env_int("QSPEC_PF", a.kind == kQ4 || a.kind == kQ6 ? 4096 : 1024);
   const TileFn(*table)[4] = a.kind == kBf16 ? kBf16Tiles
                           : a.kind == kQ4   ? kQ4Tiles
+                          : a.kind == kQ6   ? kQ6Tiles
                           : a.kind == kF16Shl ? kShlTiles
                           : a.kind == kF16Sra ? kSraTiles
                                               : kI8Tiles;
@@ -259,12 +345,12 @@ void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc
   // Zen 3: 8 FMA chains is what 16 ymm registers hold without spilling, and 2 x-rows x 2 row
   // blocks needs half the broadcasts of 4 x 1 (BF16 2x2: ~28 vs ~25 GMAC/s from L1). The Q8
   // kernel holds 4 int vectors per (row, block): 1 block at a time (M=1: 45 vs 38 GMAC/s).
-  const bool q4 = a.kind == kQ4;
+  const bool q4 = a.kind == kQ4 || a.kind == kQ6;
   const bool bf16 = a.kind == kBf16;
   const int mbmax = env_int("QSPEC_MB", q4 || (bf16 && a.m == 2) ? 2 : 4);
   const int nbmax = env_int("QSPEC_NB", q4 ? 1 : a.m == 1 ? 4 : a.m == 2 ? 2 : 1);
   // With several row tiles of x, a K chunk of weights and x is re-read from L1.
-  const int64_t bytes_per_k = (a.kind == kBf16 ? 2 : q4 ? 1 : 2) * 16 * nbmax + (q4 ? 1 : 4) * a.m;
+  const int64_t bytes_per_k = (a.kind == kQ6 ? 12 : a.kind == kQ4 ? 16 : 32) * nbmax + (q4 ? 1 : 4) * a.m;
   int64_t kc = a.m <= mbmax ? a.kp : (env_int("QSPEC_L1", 16384) / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
   for (int64_t nb = nb0; nb < nb1; nb += nbmax) {

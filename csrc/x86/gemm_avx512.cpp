@@ -266,6 +266,7 @@ void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc)
     case kQ4: run_blocks(a, nb0, nb1, acc, q4_table().t, 4, 16); break;
     case kF16Shl: run_blocks(a, nb0, nb1, acc, shl_table().t, 6, 16); break;
     case kF16Sra: run_blocks(a, nb0, nb1, acc, sra_table().t, 6, 16); break;
+    case kQ6: gemm_blocks_avx2(a, nb0, nb1, acc); break;  // no AVX-512 variant of the 6-bit layout yet
     default: run_blocks(a, nb0, nb1, acc, i8_table().t, 6, 16); break;
   }
 }
