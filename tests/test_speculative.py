@@ -173,3 +173,23 @@ def test_speculative_sampling_matches_target_distribution(tiny_model):
         accepted += r.stats["accepted"]
     assert 0.05 < accepted / drafted < 0.95, "the draft should differ from the target here"
     assert _chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_cost_model_picks_k_from_measurements():
+    from qspec.speculative import CostModel
+
+    def trained(alpha, t_draft, verify):  # verify(m) -> seconds
+        cm = CostModel(byte_ratio=0.3, k_max=8, k_min=1)
+        while cm._explore:
+            k = cm.choose()
+            acc = round(alpha * k)
+            cm.observe(k, acc, k * t_draft, verify(k + 1))
+        for _ in range(200):  # per-token acceptance alpha: 100 accepted of 100/alpha trials
+            cm.observe(1, 1, t_draft, verify(2)) if torch.rand(()) < alpha else cm.observe(1, 0, t_draft, verify(2))
+        return cm
+
+    torch.manual_seed(0)
+    cheap = trained(0.95, 0.1, lambda m: 1.0)          # flat verify, cheap accurate draft -> long drafts
+    assert cheap.choose() >= 6
+    costly = trained(0.5, 0.6, lambda m: 1.0 + 0.5 * (m - 1))  # poor draft, steep verify -> K = 1
+    assert costly.choose() == 1
