@@ -85,6 +85,67 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, c[i][j][h]);
 }
 
+// Small-M tile over 8-row halves: MB rows of x x NH halves (global half index g0..g0+NH-1,
+// half g = rows 8g..8g+7 of the padded N), MB*NH <= 12 fp32 accumulators so the FMA latency
+// (4 cycles x 2 pipes) is covered with slack; each weight vector is converted once for all MB
+// rows. Same chains as bf16_tile (fma over k ascending), so every tile shape agrees in bits.
+// acc points at the column of half g0 in the group's scratch.
+template <int MB, int NH, int ORD>
+void bf16_htile(const GemmArgs& a, int64_t g0, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  __m256 c[MB][NH];
+  for (int i = 0; i < MB; ++i)
+    for (int t = 0; t < NH; ++t)
+      c[i][t] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + t * 8);
+  const uint16_t* w[NH];
+  for (int t = 0; t < NH; ++t)
+    w[t] = reinterpret_cast<const uint16_t*>(a.data) + ((g0 + t) >> 1) * a.kp * 16 + ((g0 + t) & 1) * 16;
+  const float* x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
+  const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
+  for (int64_t k = k0; k < k1; k += 2) {
+    for (int t = 0; t < NH; ++t)
+      if (((g0 + t) & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w[t] + k * 16) + a.prefetch, _MM_HINT_T0);
+    if (ORD == 0) {  // per half: convert, then every row (a broadcast per FMA)
+      for (int t = 0; t < NH; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[t] + k * 16));
+        const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+        for (int i = 0; i < MB; ++i) {
+          c[i][t] = _mm256_fmadd_ps(e, _mm256_broadcast_ss(x[i] + k), c[i][t]);
+          c[i][t] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(x[i] + k + 1), c[i][t]);
+        }
+      }
+    } else if (ORD == 1) {  // all halves converted first (2*NH registers), then row by row
+      __m256 e[NH], o[NH];
+      for (int t = 0; t < NH; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[t] + k * 16));
+        e[t] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        o[t] = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m256 x0 = _mm256_broadcast_ss(x[i] + k), x1 = _mm256_broadcast_ss(x[i] + k + 1);
+        for (int t = 0; t < NH; ++t) c[i][t] = _mm256_fmadd_ps(e[t], x0, c[i][t]);
+        for (int t = 0; t < NH; ++t) c[i][t] = _mm256_fmadd_ps(o[t], x1, c[i][t]);
+      }
+    } else {  // all rows broadcast first (2*MB registers), then half by half
+      __m256 x0[MB], x1[MB];
+      for (int i = 0; i < MB; ++i) {
+        x0[i] = _mm256_broadcast_ss(x[i] + k);
+        x1[i] = _mm256_broadcast_ss(x[i] + k + 1);
+      }
+      for (int t = 0; t < NH; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[t] + k * 16));
+        const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+        for (int i = 0; i < MB; ++i) c[i][t] = _mm256_fmadd_ps(e, x0[i], c[i][t]);
+        for (int i = 0; i < MB; ++i) c[i][t] = _mm256_fmadd_ps(o, x1[i], c[i][t]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int t = 0; t < NH; ++t) _mm256_storeu_ps(acc_row(acc, m0 + i) + t * 8, c[i][t]);
+}
+
 // ----------------------------------------------------------------------------- FP6/FP8/INT8
 // 16 codes (one k, 16 rows) -> two vectors of 8 rows, exactly as ref_element.
 template <int KIND>
@@ -323,6 +384,65 @@ template <int MB, int NB> void sra_fn(const GemmArgs& a, int64_t nb, int64_t m0,
 template <int MB, int NB> void i8_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kI8, MB, NB>(a, nb, m0, k0, k1, acc, init); }
 
 QSPEC_TILE_TABLE(kBf16Tiles, bf16_fn)
+
+constexpr int kHMaxMB = 6, kHMaxNH = 8;
+template <int MB, int NH, int ORD> void bf16h_fn(const GemmArgs& a, int64_t g0, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_htile<MB, NH, ORD>(a, g0, m0, k0, k1, acc, init); }
+template <int MB, int NH, int ORD> constexpr TileFn bf16h_or_null() {
+  if constexpr (MB * NH <= 12 || MB == 1) return bf16h_fn<MB, NH, ORD>;
+  else return nullptr;
+}
+#define QSPEC_HROW(MB, O) {bf16h_or_null<MB, 1, O>(), bf16h_or_null<MB, 2, O>(), bf16h_or_null<MB, 3, O>(), bf16h_or_null<MB, 4, O>(), \
+                           bf16h_or_null<MB, 5, O>(), bf16h_or_null<MB, 6, O>(), bf16h_or_null<MB, 7, O>(), bf16h_or_null<MB, 8, O>()}
+#define QSPEC_HTAB(O) {QSPEC_HROW(1, O), QSPEC_HROW(2, O), QSPEC_HROW(3, O), QSPEC_HROW(4, O), QSPEC_HROW(5, O), QSPEC_HROW(6, O)}
+const TileFn kBf16HTiles[3][kHMaxMB][kHMaxNH] = {QSPEC_HTAB(0), QSPEC_HTAB(1), QSPEC_HTAB(2)};
+#undef QSPEC_HTAB
+#undef QSPEC_HROW
+// Halves per tile and loop order for MB rows, picked by interleaved single-core measurements
+// on Zen 3 (1536x576 and 512x576, min of 7): M=2 hoisting 3 converted halves (6 registers) beats
+// 12 accumulators with a broadcast per FMA; M=3 prefers 12 accumulators; M=5/6 two halves.
+constexpr int kHalvesFor[kHMaxMB + 1] = {0, 8, 3, 4, 2, 2, 2};
+constexpr int kOrderFor[kHMaxMB + 1] = {0, 0, 1, 0, 1, 0, 0};
+
+// BF16, M >= 2: groups of GB row blocks; x split into balanced row tiles of <= 6 rows; each row
+// tile sweeps the group's halves in tiles of kHalvesFor[mb]. With several row tiles, K is
+// chunked so the group's weights are re-read from L1.
+void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+  const int64_t ntiles = (a.m + kHMaxMB - 1) / kHMaxMB;
+  // Tuning knobs (experiment): QSPEC_HORD{mb} loop order, QSPEC_HNH{mb} halves per tile.
+  int ord[kHMaxMB + 1], nhs[kHMaxMB + 1];
+  for (int mb = 1; mb <= kHMaxMB; ++mb) {
+    char n1[] = "QSPEC_HORD0", n2[] = "QSPEC_HNH0";
+    n1[10] = char('0' + mb);
+    n2[9] = char('0' + mb);
+    ord[mb] = env_int(n1, kOrderFor[mb]);
+    if (ord[mb] < 0 || ord[mb] > 2) ord[mb] = 0;
+    nhs[mb] = env_int(n2, kHalvesFor[mb]);
+    if (nhs[mb] < 1 || nhs[mb] > kHMaxNH || !kBf16HTiles[ord[mb]][mb - 1][nhs[mb] - 1]) nhs[mb] = kHalvesFor[mb];
+  }
+  const int mb_first = int((a.m + ntiles - 1) / ntiles);
+  int gb = env_int("QSPEC_GB", (8 % nhs[mb_first]) == 0 ? 4 : 3);  // whole tiles per group
+  gb = gb < 1 ? 1 : gb > kAccCols / kRows ? int(kAccCols / kRows) : gb;
+  const int64_t bytes_per_k = 32 * gb + 4 * a.m;
+  int64_t kc = ntiles == 1 ? a.kp : (env_int("QSPEC_L1", 16384) / bytes_per_k) / kKBlk * kKBlk;
+  if (kc < kKBlk) kc = kKBlk;
+  for (int64_t nb = nb0; nb < nb1; nb += gb) {
+    const int nbn = int(nb1 - nb < gb ? nb1 - nb : gb);
+    const int64_t gh0 = nb * 2, nh_total = nbn * 2;
+    for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
+      const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
+      for (int64_t tile = 0, m0 = 0; tile < ntiles; ++tile) {
+        const int mb = int((a.m * (tile + 1)) / ntiles - m0);
+        const int nhmax = nhs[mb];
+        for (int64_t h = 0; h < nh_total; h += nhmax) {
+          const int nh = int(nh_total - h < nhmax ? nh_total - h : nhmax);
+          kBf16HTiles[ord[mb]][mb - 1][nh - 1](a, gh0 + h, m0, k0, k1, acc + h * 8, k0 == 0);
+        }
+        m0 += mb;
+      }
+    }
+    store_rows(a, nb, nbn, acc);
+  }
+}
 QSPEC_TILE_TABLE(kQ4Tiles, q4_fn)
 QSPEC_TILE_TABLE(kQ6Tiles, q6_fn)
 QSPEC_TILE_TABLE(kShlTiles, shl_fn)
@@ -335,6 +455,10 @@ QSPEC_TILE_TABLE(kI8Tiles, i8_fn)
 void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc) {
   GemmArgs a = args;
   if (a.prefetch == 0) a.prefetch = env_int("QSPEC_PF", a.kind == kQ4 || a.kind == kQ6 ? 4096 : 1024);
+  if (a.kind == kBf16 && a.m >= 2 && env_int("QSPEC_BF16_OLD", 0) == 0) {
+    bf16_blocks_small_m(a, nb0, nb1, acc);
+    return;
+  }
   const TileFn(*table)[4] = a.kind == kBf16 ? kBf16Tiles
                           : a.kind == kQ4   ? kQ4Tiles
                           : a.kind == kQ6   ? kQ6Tiles
