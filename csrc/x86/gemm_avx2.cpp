@@ -398,10 +398,11 @@ const TileFn kBf16HTiles[3][kHMaxMB][kHMaxNH] = {QSPEC_HTAB(0), QSPEC_HTAB(1), Q
 #undef QSPEC_HTAB
 #undef QSPEC_HROW
 // Halves per tile and loop order for MB rows, picked by interleaved single-core measurements
-// on Zen 3 (1536x576 and 512x576, min of 7): M=2 hoisting 3 converted halves (6 registers) beats
-// 12 accumulators with a broadcast per FMA; M=3 prefers 12 accumulators; M=5/6 two halves.
-constexpr int kHalvesFor[kHMaxMB + 1] = {0, 8, 3, 4, 2, 2, 2};
-constexpr int kOrderFor[kHMaxMB + 1] = {0, 0, 1, 0, 1, 0, 0};
+// on Zen 3 (L2- and DRAM-resident, 1536x576 / 4096x4096): M=2 broadcasts its 4 x values once per
+// k pair for 4 halves (8 accumulators); M=3 prefers 12 accumulators; M=4 converts 2 halves once
+// for the 4 rows. Whole row blocks per tile: a block split over two tiles is streamed twice.
+constexpr int kHalvesFor[kHMaxMB + 1] = {0, 8, 4, 4, 2, 2, 2};
+constexpr int kOrderFor[kHMaxMB + 1] = {0, 0, 2, 0, 1, 0, 0};
 
 // BF16, M >= 2: groups of GB row blocks; x split into balanced row tiles of <= 6 rows; each row
 // tile sweeps the group's halves in tiles of kHalvesFor[mb]. With several row tiles, K is
