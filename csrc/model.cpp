@@ -21,6 +21,7 @@
 #include "attention.h"
 #include "bindings.h"
 #include "gemm.h"
+#include "model_ops.h"
 
 namespace py = pybind11;
 
@@ -225,12 +226,7 @@ class Model {
       for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]);
       timed_gemm(*L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
 #pragma omp parallel for if (m >= kParallelRows)
-      for (int64_t r = 0; r < m; ++r) {
-        const float* g = &gu_[r * 2 * f_];
-        const float* u = g + f_;
-        float* o = &act_[r * f_];
-        for (int64_t i = 0; i < f_; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-      }
+      for (int64_t r = 0; r < m; ++r) silu_mul(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_);
       timed_gemm(*L.wdown, act_.data(), f_, tmp_.data(), d_, m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }
@@ -271,6 +267,17 @@ class Model {
 };
 
 }  // namespace
+
+void silu_mul_ref(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  if (int(isa_selected()) >= int(Isa::avx2))
+    silu_mul_avx2(gate, up, out, n);
+  else
+    silu_mul_ref(gate, up, out, n);
+}
 
 void bind_model(py::module_& m) {
   py::class_<Model>(m, "Model", "Native Llama-family forward over the shared KV cache")
@@ -330,6 +337,16 @@ void bind_model(py::module_& m) {
           },
           py::arg("tokens"), py::arg("start_pos"), py::arg("kv"), py::arg("set"), py::arg("all_logits"),
           py::arg("out"));
+  m.def("silu_mul", [](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
+                       const std::string& path) {
+    if (gate.ndim() != 1 || up.ndim() != 1 || gate.size() != up.size())
+      throw std::invalid_argument("gate and up must be float32 vectors of one length");
+    if (path != "ref" && path != "avx2") throw std::invalid_argument("path must be ref or avx2");
+    if (path == "avx2" && int(isa_detected()) < int(Isa::avx2)) throw std::invalid_argument("no AVX2 here");
+    py::array_t<float> out(gate.size());
+    (path == "ref" ? silu_mul_ref : silu_mul_avx2)(gate.data(), up.data(), out.mutable_data(), gate.size());
+    return out;
+  }, py::arg("gate"), py::arg("up"), py::arg("path"), "SwiGLU activation kernel (for tests)");
 }
 
 }  // namespace qspec
