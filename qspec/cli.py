@@ -61,7 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", choices=("none", "auto") + DRAFT_FORMATS, default="auto",
                    help="MX format of the draft (default: auto = the measured best; none = plain decoding)")
     g.add_argument("--draft-lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
-                   help="draft LM head: bf16 shares the target's (default), or an MX copy")
+                   help="draft LM head: an MX copy, or bf16 to share the target's (default: as the default draft)")
     g.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", type=_draft_max, default=None,
                    help="tokens drafted per step: 1..32 or auto (cost model)")
     g.add_argument("--draft-min", "--spec-draft-n-min", dest="draft_min", type=_positive_int, default=None,
@@ -74,7 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("model", nargs="?", help="model directory (default: the default model)")
     q.add_argument("--format", choices=DRAFT_FORMATS, default=None, help="draft format (default: the measured best)")
     q.add_argument("--lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
-                   help="draft LM head format (default: bf16 = shared with the target, not stored)")
+                   help="draft LM head format (default: as the default draft; bf16 = the target's, not stored)")
     q.add_argument("-o", "--out", help="output file (default: MODEL/draft-FORMAT.qspec.safetensors)")
 
     c = sub.add_parser("convert", help="import a GGUF file into a Hugging Face directory (BF16)")
@@ -142,12 +142,12 @@ def _cmd_convert(a: argparse.Namespace) -> int:
 def _cmd_quantize(a: argparse.Namespace) -> int:
     from .config import ModelConfig
     from .default_model import default_model_dir
-    from .draft import DraftSpec, save_draft_file
-    from .engine import DEFAULT_DRAFT
+    from .draft import save_draft_file
+    from .engine import resolve_draft_spec
     from .loader import check_model_dir, load_weights
     from .native import cast_draft
 
-    spec = DraftSpec(a.format or DEFAULT_DRAFT.fmt, a.lm_head or "bf16")
+    spec = resolve_draft_spec(a.format or "auto", a.lm_head)
     model_dir = check_model_dir(a.model if a.model else default_model_dir())
     weights = load_weights(model_dir, ModelConfig.from_file(model_dir / "config.json"))
     out = Path(a.out) if a.out else model_dir / f"draft-{spec.fmt}.qspec.safetensors"

@@ -18,8 +18,8 @@ from .sampling import SamplingParams, sample, warp
 from .speculative import DraftParams, speculative_tokens
 
 # Chosen by measurement on the dev prompts (README, "Choosing the draft").
-DEFAULT_DRAFT = DraftSpec(fmt="mxfp4", lm_head="bf16")
-DEFAULT_DRAFT_PARAMS = DraftParams(draft_max=4, draft_min=1, draft_p_min=0.0)
+DEFAULT_DRAFT = DraftSpec(fmt="mxfp6_e2m3", lm_head="mxfp6_e2m3")
+DEFAULT_DRAFT_PARAMS = DraftParams(draft_max="auto", draft_min=1, draft_p_min=0.0)
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -174,7 +174,9 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:
     return {int(i) for i in ids}
 
 
-def _draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None) -> DraftSpec | None:
+def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None = None) -> DraftSpec | None:
+    """"auto" -> DEFAULT_DRAFT; a format name -> that format, its LM head cast the way the
+    default's is (same format, or kept BF16) unless `draft_lm_head` says otherwise."""
     if draft is None or draft == "none":
         return None
     if isinstance(draft, DraftSpec):
@@ -183,7 +185,7 @@ def _draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None) -> Dra
         return DEFAULT_DRAFT if draft_lm_head is None else DraftSpec(DEFAULT_DRAFT.fmt, draft_lm_head)
     if draft not in DRAFT_FORMATS:
         raise ValueError(f"unknown draft format {draft!r} (choose from none, auto, {', '.join(DRAFT_FORMATS)})")
-    return DraftSpec(draft, draft_lm_head or DEFAULT_DRAFT.lm_head)
+    return DraftSpec(draft, draft_lm_head or ("bf16" if DEFAULT_DRAFT.lm_head == "bf16" else draft))
 
 
 def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
@@ -206,7 +208,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         torch.set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
-    spec = _draft_spec(draft, draft_lm_head)
+    spec = resolve_draft_spec(draft, draft_lm_head)
     if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None):
         raise ValueError("the torch backend has no draft; use backend='native'")
     if model is None:
