@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -120,7 +119,9 @@ def rss_probe(args) -> None:
     spec = parse_draft(args.drafts[0])
     eng = qspec.load(draft=None if args.rss_probe == "plain" else spec, threads=args.threads)
     eng.generate(dev_prompts(args.prompt_file)[0], max_new_tokens=64)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    # VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child reports its parent's peak
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(int(hwm.split()[1]) / 1024)
 
 
 def plot(rows: list[dict], path: str, ctx: dict) -> None:
@@ -172,10 +173,10 @@ def main(argv=None) -> None:
     setup(args)
     ctx = print_header(args, "bench.e2e: plain BF16 vs self-speculative decoding")
     with JsonWriter(args.json, ctx) as out:
+        rss = peak_rss(args)  # first: separate processes, nothing else loaded
         rows = real_model(args, ctx, out)
         if not args.quick and not args.no_synthetic:
             rows += synthetic(args, ctx, out)
-        rss = peak_rss(args)
         r = {"mode": "memory", "draft": args.drafts[0], "peak_rss_plain_mb": rss["plain"],
              "peak_rss_speculative_mb": rss["speculative"], "ratio": rss["speculative"] / rss["plain"]}
         out.write(r)

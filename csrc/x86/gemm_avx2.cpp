@@ -362,10 +362,7 @@ void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 }
 
 // ----------------------------------------------------------------------------- driver
-int env_int(const char* name, int dflt) {  // tuning knob, read once per call (cheap)
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : dflt;
-}
+constexpr int64_t kL1Bytes = 16384;  // K-chunk budget when several row tiles re-read weights
 
 using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
 
@@ -409,22 +406,11 @@ constexpr int kOrderFor[kHMaxMB + 1] = {0, 0, 2, 0, 1, 0, 0};
 // chunked so the group's weights are re-read from L1.
 void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   const int64_t ntiles = (a.m + kHMaxMB - 1) / kHMaxMB;
-  // Tuning knobs (experiment): QSPEC_HORD{mb} loop order, QSPEC_HNH{mb} halves per tile.
-  int ord[kHMaxMB + 1], nhs[kHMaxMB + 1];
-  for (int mb = 1; mb <= kHMaxMB; ++mb) {
-    char n1[] = "QSPEC_HORD0", n2[] = "QSPEC_HNH0";
-    n1[10] = char('0' + mb);
-    n2[9] = char('0' + mb);
-    ord[mb] = env_int(n1, kOrderFor[mb]);
-    if (ord[mb] < 0 || ord[mb] > 2) ord[mb] = 0;
-    nhs[mb] = env_int(n2, kHalvesFor[mb]);
-    if (nhs[mb] < 1 || nhs[mb] > kHMaxNH || !kBf16HTiles[ord[mb]][mb - 1][nhs[mb] - 1]) nhs[mb] = kHalvesFor[mb];
-  }
   const int mb_first = int((a.m + ntiles - 1) / ntiles);
-  int gb = env_int("QSPEC_GB", (8 % nhs[mb_first]) == 0 ? 4 : 3);  // whole tiles per group
-  gb = gb < 1 ? 1 : gb > kAccCols / kRows ? int(kAccCols / kRows) : gb;
+  int gb = (8 % kHalvesFor[mb_first]) == 0 ? 4 : 3;  // whole tiles per group
+  gb = gb > kAccCols / kRows ? int(kAccCols / kRows) : gb;
   const int64_t bytes_per_k = 32 * gb + 4 * a.m;
-  int64_t kc = ntiles == 1 ? a.kp : (env_int("QSPEC_L1", 16384) / bytes_per_k) / kKBlk * kKBlk;
+  int64_t kc = ntiles == 1 ? a.kp : (kL1Bytes / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
   for (int64_t nb = nb0; nb < nb1; nb += gb) {
     const int nbn = int(nb1 - nb < gb ? nb1 - nb : gb);
@@ -433,10 +419,10 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
       const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
       for (int64_t tile = 0, m0 = 0; tile < ntiles; ++tile) {
         const int mb = int((a.m * (tile + 1)) / ntiles - m0);
-        const int nhmax = nhs[mb];
+        const int nhmax = kHalvesFor[mb];
         for (int64_t h = 0; h < nh_total; h += nhmax) {
           const int nh = int(nh_total - h < nhmax ? nh_total - h : nhmax);
-          kBf16HTiles[ord[mb]][mb - 1][nh - 1](a, gh0 + h, m0, k0, k1, acc + h * 8, k0 == 0);
+          kBf16HTiles[kOrderFor[mb]][mb - 1][nh - 1](a, gh0 + h, m0, k0, k1, acc + h * 8, k0 == 0);
         }
         m0 += mb;
       }
@@ -455,8 +441,8 @@ QSPEC_TILE_TABLE(kI8Tiles, i8_fn)
 
 void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc) {
   GemmArgs a = args;
-  if (a.prefetch == 0) a.prefetch = env_int("QSPEC_PF", a.kind == kQ4 || a.kind == kQ6 ? 4096 : 1024);
-  if (a.kind == kBf16 && a.m >= 2 && env_int("QSPEC_BF16_OLD", 0) == 0) {
+  if (a.prefetch == 0) a.prefetch = a.kind == kQ4 || a.kind == kQ6 ? 4096 : 1024;
+  if (a.kind == kBf16 && a.m >= 2) {
     bf16_blocks_small_m(a, nb0, nb1, acc);
     return;
   }
@@ -472,11 +458,11 @@ void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc
   // kernel holds 4 int vectors per (row, block): 1 block at a time (M=1: 45 vs 38 GMAC/s).
   const bool q4 = a.kind == kQ4 || a.kind == kQ6;
   const bool bf16 = a.kind == kBf16;
-  const int mbmax = env_int("QSPEC_MB", q4 || (bf16 && a.m == 2) ? 2 : 4);
-  const int nbmax = env_int("QSPEC_NB", q4 ? 1 : a.m == 1 ? 4 : a.m == 2 ? 2 : 1);
+  const int mbmax = q4 || (bf16 && a.m == 2) ? 2 : 4;
+  const int nbmax = q4 ? 1 : a.m == 1 ? 4 : a.m == 2 ? 2 : 1;
   // With several row tiles of x, a K chunk of weights and x is re-read from L1.
   const int64_t bytes_per_k = (a.kind == kQ6 ? 12 : a.kind == kQ4 ? 16 : 32) * nbmax + (q4 ? 1 : 4) * a.m;
-  int64_t kc = a.m <= mbmax ? a.kp : (env_int("QSPEC_L1", 16384) / bytes_per_k) / kKBlk * kKBlk;
+  int64_t kc = a.m <= mbmax ? a.kp : (kL1Bytes / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
   for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
     const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
