@@ -39,9 +39,10 @@ def step_costs(be, ks: list[int], context: int, reps: int, time_fn) -> dict:
 
     The cache holds `context` positions of arbitrary (but finite) rows first; timing is
     interleaved per repetition (BENCH.md rule 1)."""
-    be.kv.ensure_capacity(context + max(ks) + 2)
+    kmax = max(ks, default=0)
+    be.kv.ensure_capacity(context + kmax + 2)
     rng = np.random.default_rng(0)
-    toks = rng.integers(0, be.cfg.vocab_size, size=context + max(ks) + 1).tolist()
+    toks = rng.integers(0, be.cfg.vocab_size, size=context + kmax + 1).tolist()
     for start in range(0, context, 256):  # fill the cache with target rows
         be.forward(toks[start:min(context, start + 256)], start)
     fns = {"target": lambda: be.forward(toks[context:context + 1], context)}
