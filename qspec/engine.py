@@ -10,21 +10,24 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from .config import ModelConfig
+from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
 from .errors import PromptTooLongError
 from .kv_cache import KVCache
 from .loader import check_model_dir, load_weights
-from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
 from .sampling import SamplingParams, sample, warp
 from .speculative import DraftParams, speculative_tokens
+from .tokenizer import StreamDecoder, Tokenizer
 
 # Chosen by measurement on the dev prompts (README, "Choosing the draft").
 DEFAULT_DRAFT = DraftSpec(fmt="mxfp6_e2m3", lm_head="mxfp6_e2m3")
 DEFAULT_DRAFT_PARAMS = DraftParams(draft_max="auto", draft_min=1, draft_p_min=0.0)
-from .tokenizer import StreamDecoder, Tokenizer
 
 
 class Backend(Protocol):
-    """What the decoding loops need from a forward implementation (torch or native)."""
+    """What the decoding loops need from a forward implementation (torch or native).
+
+    A backend with a draft weight set also has `draft` (its DraftSpec), `draft_bytes`,
+    `target_bytes`, and accepts `draft=True` in forward."""
 
     cfg: ModelConfig
     kv: KVCache
