@@ -31,6 +31,8 @@
 // pairs, which path the call took, or the thread count (DESIGN.md invariant 2).
 #include <immintrin.h>
 
+#include "vec_avx2.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -45,29 +47,6 @@ inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max), accurate to ~2 ulp.
-// Cody-Waite reduction x = n·ln2 + r, |r| <= ln2/2, then Taylor to degree 7 (truncation error
-// 0.35^8/8! ≈ 5e-9 relative), then ·2^n via the exponent field. x < -87 (result below
-// FLT_MIN ≈ e^-87.3) returns 0, so no denormals are produced and -inf gives 0.
-inline __m256 exp_neg(__m256 x) {
-  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 high part (exact n·hi)
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);      // ln2 low part
-  __m256 poly = _mm256_set1_ps(1.f / 5040.f);
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.f / 720.f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.f / 120.f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.f / 24.f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.f / 6.f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.f));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);  // n in [-126, 0]
-  const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(poly), pow2n));
-  return _mm256_andnot_ps(tiny, y);
-}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -90,14 +69,14 @@ float exp_pass(float* scores, int64_t n, float max_s) {
   __m256 vsum = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmax));
+    const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmax));
     _mm256_storeu_ps(scores + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }
   if (j < n) {
     alignas(32) float tmp[8];
     for (int t = 0; t < 8; ++t) tmp[t] = j + t < n ? scores[j + t] : -INFINITY;
-    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(tmp), vmax));  // -inf lanes -> 0
+    const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_load_ps(tmp), vmax));  // -inf lanes -> 0
     _mm256_store_ps(tmp, e);
     for (int64_t t = 0; j + t < n; ++t) scores[j + t] = tmp[t];
     vsum = _mm256_add_ps(vsum, e);
