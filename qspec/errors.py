@@ -9,7 +9,7 @@ class ModelLoadError(QspecError):
     """A model path, file or config that cannot be loaded: missing, corrupt, unsupported."""
 
 
-class DraftFileError(ModelLoadError):
+class DraftFileError(ModelLoadError, ValueError):
     """A `qspec quantize` draft file that is corrupt, of another model or of another layout version."""
 
 
