@@ -21,6 +21,9 @@ from .tokenizer import StreamDecoder, Tokenizer
 # Chosen by measurement on the dev prompts (README, "Choosing the draft").
 DEFAULT_DRAFT = DraftSpec(fmt="mxfp6_e2m3", lm_head="mxfp6_e2m3")
 DEFAULT_DRAFT_PARAMS = DraftParams(draft_max="auto", draft_min=1, draft_p_min=0.0)
+# With sampling, "auto" picks K from run-time timings, and the tokens drawn depend on K: a fixed
+# default K keeps seeded sampling reproducible (greedy output does not depend on K at all).
+DEFAULT_SAMPLING_DRAFT_MAX = 1
 
 
 class Backend(Protocol):
@@ -115,7 +118,9 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
         d = DEFAULT_DRAFT_PARAMS
-        dp = DraftParams(draft_max=d.draft_max if draft_max is None else draft_max,
+        if draft_max is None:
+            draft_max = d.draft_max if params.greedy else DEFAULT_SAMPLING_DRAFT_MAX
+        dp = DraftParams(draft_max=draft_max,
                          draft_min=d.draft_min if draft_min is None else draft_min,
                          draft_p_min=d.draft_p_min if draft_p_min is None else float(draft_p_min))
         ids = self.encode_prompt(prompt, chat)

@@ -102,10 +102,12 @@ def test_one_shared_kv_cache(default_model_dir):
     assert be.draft_bytes < 0.5 * be.target_bytes
 
 
-def test_speculative_sampling_is_seeded(default_model_dir):
+@pytest.mark.parametrize("k", [None, 3])
+def test_speculative_sampling_is_seeded(default_model_dir, k):
+    """Same seed, same fixed K -> same tokens (the default K for sampling is a fixed one)."""
     eng = engine_for(default_model_dir, "mxfp4")
-    a = eng.generate("Tell me a story.", max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7)
-    b = eng.generate("Tell me a story.", max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7)
+    kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=7, draft_max=k)
+    a, b = eng.generate("Tell me a story.", **kw), eng.generate("Tell me a story.", **kw)
     assert a.tokens == b.tokens and a.stats["drafted"] > 0
 
 
