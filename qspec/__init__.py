@@ -1,6 +1,11 @@
 """qspec: lossless self-speculative LLM decoding on x86 CPUs with MX drafts of the model's own weights."""
 
-from ._C import cpu_info
+try:
+    from ._C import cpu_info
+except ImportError as e:  # the source tree shadows a regular (non-editable) install
+    raise ImportError(f"qspec's compiled module _C is not next to {__file__}: this is the source tree "
+                      "without a build. Run from another directory, or install with "
+                      "'pip install --no-build-isolation -e .'") from e
 from .engine import Engine, GenerationResult, load
 from .errors import DraftFileError, ModelLoadError, PromptTooLongError, QspecError
 
