@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -426,7 +427,11 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   }
 
   // Threads split row blocks of N only (K is never split), so the thread count never
-  // changes what a row computes. Tiny problems stay on one thread.
+  // changes what a row computes. The blocks are dealt out in chunks from a shared counter,
+  // not as one static range per thread: on a shared machine a thread that loses its core
+  // for a while no longer holds every other thread at the end of the region. Each chunk is
+  // computed whole by one thread, so which thread takes it changes nothing in the result.
+  // Tiny problems stay on one thread.
   const int64_t nblk = a.np / kRows;
   int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
@@ -435,12 +440,18 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   std::vector<float> acc(size_t(scratch * threads));
   if (threads == 1) {
     kernel(a, 0, nblk, acc.data());
-  } else {
+    return;
+  }
+  // ~8 chunks per thread, whole groups of 4 row blocks (the tile groups of the kernels).
+  const int64_t chunk = std::max<int64_t>(4, (nblk + 8 * threads - 1) / (8 * threads) + 3) / 4 * 4;
+  const int64_t nchunks = (nblk + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
-    {
-      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-      kernel(a, nblk * t / nt, nblk * (t + 1) / nt, acc.data() + t * scratch);
-    }
+  {
+    float* my_acc = acc.data() + omp_get_thread_num() * scratch;
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < nchunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      kernel(a, c * chunk, std::min(nblk, (c + 1) * chunk), my_acc);
   }
 }
 
