@@ -14,7 +14,7 @@ from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
 from .errors import PromptTooLongError
 from .kv_cache import KVCache
 from .loader import check_model_dir, load_weights
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, argmax, sample, warp
 from .speculative import DraftParams, speculative_tokens
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -153,7 +153,7 @@ class Engine:
         gen = None if params.greedy else params.generator()
         n, t_start = 0, time.perf_counter()
         while True:
-            tok = int(logits.argmax()) if gen is None else sample(warp(logits, params), gen)
+            tok = argmax(logits) if gen is None else sample(warp(logits, params), gen)
             n += 1
             yield tok
             if tok in self.eos_ids or n == max_new:

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, argmax, sample, top1_prob, warp
 
 DRAFT_MAX_LIMIT = 32
 
@@ -136,7 +136,7 @@ def speculative_tokens(backend, first_logits: torch.Tensor, max_new: int, params
     draft_s = verify_s = 0.0
     t_start = time.perf_counter()
 
-    tok = int(first_logits.argmax()) if gen is None else sample(warp(first_logits, params), gen)
+    tok = argmax(first_logits) if gen is None else sample(warp(first_logits, params), gen)
     n = 1
     yield tok
     while tok not in eos_ids and n < max_new:
@@ -151,8 +151,8 @@ def speculative_tokens(backend, first_logits: torch.Tensor, max_new: int, params
         for j in range(k):
             lg = backend.forward([prev], base + j, draft=True)[-1]
             if gen is None:
-                d = int(lg.argmax())
-                conf = float(torch.softmax(lg, -1)[d]) if dp.draft_p_min > 0 else 1.0
+                d = argmax(lg)
+                conf = top1_prob(lg, d) if dp.draft_p_min > 0 else 1.0
             else:
                 q = warp(lg, params)
                 d = sample(q, gen)
@@ -168,7 +168,7 @@ def speculative_tokens(backend, first_logits: torch.Tensor, max_new: int, params
         t2 = time.perf_counter()
         # 3. accept
         if gen is None:
-            target = rows.argmax(-1).tolist()
+            target = argmax(rows)
             a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
             nxt = target[a]
         else:
