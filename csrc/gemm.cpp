@@ -427,11 +427,12 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   }
 
   // Threads split row blocks of N only (K is never split), so the thread count never
-  // changes what a row computes. The blocks are dealt out in chunks from a shared counter,
-  // not as one static range per thread: on a shared machine a thread that loses its core
-  // for a while no longer holds every other thread at the end of the region. Each chunk is
-  // computed whole by one thread, so which thread takes it changes nothing in the result.
-  // Tiny problems stay on one thread.
+  // changes what a row computes. The blocks are claimed from a shared counter in shrinking
+  // pieces (guided self-scheduling: remaining / (2 x threads), whole groups of 4 row blocks,
+  // the kernels' tile groups): long contiguous streams first, small pieces at the end, so
+  // neither a thread that loses its core on a shared machine nor an uneven finish holds the
+  // other threads for long. Each piece is computed whole by one thread, so which thread
+  // takes it changes nothing in the result. Tiny problems stay on one thread.
   const int64_t nblk = a.np / kRows;
   int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
@@ -442,16 +443,20 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
     kernel(a, 0, nblk, acc.data());
     return;
   }
-  // ~8 chunks per thread, whole groups of 4 row blocks (the tile groups of the kernels).
-  const int64_t chunk = std::max<int64_t>(4, (nblk + 8 * threads - 1) / (8 * threads) + 3) / 4 * 4;
-  const int64_t nchunks = (nblk + chunk - 1) / chunk;
+  constexpr int64_t kGroup = 4;
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   {
     float* my_acc = acc.data() + omp_get_thread_num() * scratch;
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < nchunks;
-         c = next.fetch_add(1, std::memory_order_relaxed))
-      kernel(a, c * chunk, std::min(nblk, (c + 1) * chunk), my_acc);
+    int64_t start = next.load(std::memory_order_relaxed);
+    while (start < nblk) {
+      const int64_t rem = nblk - start;
+      const int64_t piece = std::min(rem, ((rem + 2 * threads - 1) / (2 * threads) + kGroup - 1) / kGroup * kGroup);
+      if (next.compare_exchange_weak(start, start + piece, std::memory_order_relaxed)) {
+        kernel(a, start, start + piece, my_acc);
+        start = next.load(std::memory_order_relaxed);
+      }  // else: start now holds the current counter; try again from there
+    }
   }
 }
 
