@@ -1,5 +1,7 @@
 """End to end: plain BF16 vs speculative decoding in one run (BENCH.md rule 5):
 `python -m bench.e2e [--threads N] [--quick] [--json PATH] [--plot PATH] [--drafts ...] [--ks ...]`.
+A setting in --ks is K (1..32), "auto", or either with "@P" for draft_p_min = P (e.g.
+`--ks 1,auto,auto@0.8`); without "@P" the engine's default draft_p_min applies.
 
 Default model over the dev prompts, 128 new tokens, greedy and temperature 0.7: for each prompt
 plain and every speculative setting run back to back (interleaved), so the ratios compare like
@@ -20,10 +22,16 @@ import sys
 
 from bench.common import JsonWriter, fmt_table, parent_parser, print_header, setup, time_interleaved
 from bench.models import dev_prompts, parse_draft, step_costs, synthetic_backend
+from qspec.engine import DEFAULT_DRAFT, DEFAULT_DRAFT_PARAMS
 
 
-def _ks(s: str) -> list:
-    return [k if k == "auto" else int(k) for k in s.split(",")]
+def _ks(s: str) -> list[tuple]:
+    """"1,auto,auto@0.8" -> [(1, None), ("auto", None), ("auto", 0.8)] (K, draft_p_min)."""
+    out = []
+    for item in s.split(","):
+        k, _, p = item.partition("@")
+        out.append((k if k == "auto" else int(k), float(p) if p else None))
+    return out
 
 
 def cost_ratios(be, ks: list[int], context: int, reps: int) -> dict:
@@ -43,7 +51,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
     for dspec in args.drafts:
         spec = parse_draft(dspec)
         eng = qspec.load(draft=spec, threads=args.threads)
-        fixed = [k for k in args.ks if k != "auto"]
+        fixed = sorted({k for k, _ in args.ks if k != "auto"})
         cr = cost_ratios(eng.backend, fixed, 128, 5 if args.quick else 11)
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
         for temp in args.temps:
@@ -53,22 +61,24 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                 kw = dict(max_new_tokens=n_new, temperature=temp, seed=i)
                 base = eng.generate(p, speculative=False, **kw)
                 per["plain"]["tps"].append(base.stats["tokens_per_s"])
-                for k in args.ks:
-                    r = eng.generate(p, draft_max=k, **kw)
+                for k, pm in args.ks:
+                    r = eng.generate(p, draft_max=k, draft_p_min=pm, **kw)
                     if temp == 0 and r.tokens != base.tokens:
-                        raise SystemExit(f"LOSSLESSNESS VIOLATED: {dspec} K={k} prompt {i}")
-                    s, d = r.stats, per[k]
+                        raise SystemExit(f"LOSSLESSNESS VIOLATED: {dspec} K={k} p_min={pm} prompt {i}")
+                    s, d = r.stats, per[(k, pm)]
                     d["tps"].append(s["tokens_per_s"])
                     d["ratio"].append(s["tokens_per_s"] / base.stats["tokens_per_s"])
                     d["drafted"] += s["drafted"]
                     d["accepted"] += s["accepted"]
                     d["steps"] += s["steps"]
                     d["tokens"] += s["new_tokens"] - 1
-            for k, d in per.items():
-                if k == "plain":
+            for key, d in per.items():
+                if key == "plain":
                     row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0}
                 else:
+                    k, pm = key
                     row = {"mode": "speculative", "draft": dspec, "k": k,
+                           "draft_p_min": DEFAULT_DRAFT_PARAMS.draft_p_min if pm is None else pm,
                            "speedup": statistics.median(d["ratio"]),
                            "acceptance_rate": d["accepted"] / max(1, d["drafted"]),
                            "tokens_per_step": d["tokens"] / max(1, d["steps"]),
@@ -78,7 +88,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                            threads=args.threads)
                 rows.append(row)
                 out.write(row)
-                print(fmt_table([row], ["draft", "k", "temperature", "tokens_per_s", "speedup",
+                print(fmt_table([row], ["draft", "k", "draft_p_min", "temperature", "tokens_per_s", "speedup",
                                         "acceptance_rate", "tokens_per_step", "c", "v"]).splitlines()[-1],
                       flush=True)
         del eng
@@ -87,7 +97,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
 
 def synthetic(args, ctx, out: JsonWriter) -> list[dict]:
     rows = []
-    fixed = [k for k in args.ks if k != "auto"]
+    fixed = sorted({k for k, _ in args.ks if k != "auto"})
     for dspec in args.drafts:
         be = synthetic_backend("llama-3.2-1b", parse_draft(dspec), max_seq=512)
         cr = cost_ratios(be, fixed, 256, 5)
@@ -130,10 +140,13 @@ def plot(rows: list[dict], path: str, ctx: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (draft, temp) in sorted({(r["draft"], r["temperature"]) for r in rows if r.get("mode") == "speculative"}):
-        pts = [r for r in rows if r.get("mode") == "speculative" and r["draft"] == draft
-               and r["temperature"] == temp and r["k"] != "auto"]
-        lab = f"{draft}, T={temp}"
+    spec = [r for r in rows if r.get("mode") == "speculative"]
+    for (draft, temp, pm) in sorted({(r["draft"], r["temperature"], r["draft_p_min"]) for r in spec}):
+        pts = [r for r in spec if (r["draft"], r["temperature"], r["draft_p_min"]) == (draft, temp, pm)
+               and r["k"] != "auto"]
+        if not pts:
+            continue
+        lab = f"{draft}, T={temp}" + (f", p_min={pm}" if pm else "")
         a1.plot([r["k"] for r in pts], [r["speedup"] for r in pts], "o-", label=lab)
         a2.plot([r["k"] for r in pts], [r["tokens_per_step"] for r in pts], "o-", label=lab)
     a1.axhline(1.0, color="k", ls="--", lw=1)
@@ -155,7 +168,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafts", type=lambda s: s.split(","), default=None,
                    help="comma list of FORMAT[:LM_HEAD_FORMAT] (default: the engine's default draft)")
-    p.add_argument("--ks", type=_ks, default=None, help="comma list of K values and/or auto (default 1..8,auto)")
+    p.add_argument("--ks", type=_ks, default=None,
+                   help="comma list of K, auto, K@P or auto@P (P = draft_p_min; default 1..8,auto)")
     p.add_argument("--temps", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 0.7])
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--prompt-file", default=None)
@@ -164,10 +178,9 @@ def main(argv=None) -> None:
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.drafts is None:
-        from qspec.engine import DEFAULT_DRAFT
         args.drafts = [f"{DEFAULT_DRAFT.fmt}:{DEFAULT_DRAFT.lm_head}"]
     if args.ks is None:
-        args.ks = [1, 2, 4] + ["auto"] if args.quick else list(range(1, 9)) + ["auto"]
+        args.ks = _ks("1,2,4,auto" if args.quick else "1,2,3,4,5,6,7,8,auto")
     if args.rss_probe:
         return rss_probe(args)
     setup(args)
