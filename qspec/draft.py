@@ -44,10 +44,25 @@ class DraftSpec:
                              f"(bf16 or one of {', '.join(DRAFT_FORMATS)})")
 
 
+CAST_ROWS = 4096  # rows cast at a time: the fp32 working copy of an LM head would be ~100 MB
+
+
 def pack_mx_matrix(w: torch.Tensor, fmt: str):
-    """BF16 [N, K] -> packed MX weights (direct cast per OCP MX v1.0, then repacked for the kernels)."""
-    t = mx.quantize(w, fmt)
-    return _C.pack_mx(fmt, t.codes.numpy(), t.scales.numpy(), t.k)
+    """BF16 [N, K] -> packed MX weights (direct cast per OCP MX v1.0, then repacked for the kernels).
+
+    The cast is row-wise (blocks run along K), so casting CAST_ROWS rows at a time gives the same
+    codes while keeping the transient fp32 copy small: the draft adds only its packed weights
+    to the peak memory, not a float copy of the largest matrix."""
+    n, k = w.shape
+    codes = scales = None
+    for r0 in range(0, n, CAST_ROWS):
+        t = mx.quantize(w[r0:r0 + CAST_ROWS], fmt)
+        if codes is None:
+            codes = np.empty((n, t.codes.shape[1]), np.uint8)
+            scales = np.empty((n, t.scales.shape[1]), np.uint8)
+        codes[r0:r0 + CAST_ROWS] = t.codes.numpy()
+        scales[r0:r0 + CAST_ROWS] = t.scales.numpy()
+    return _C.pack_mx(fmt, codes, scales, k)
 
 
 def checkpoint_identity(model_dir: Path) -> dict[str, str]:
