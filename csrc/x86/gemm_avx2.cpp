@@ -20,6 +20,22 @@ constexpr int kMaxMB = 6;  // rows of x per register tile
 // Output rows r of block group nbg (NB blocks): acc layout [m][kAccCols], column j*16 + r.
 inline float* acc_row(float* acc, int64_t i) { return acc + i * kAccCols; }
 
+// A tile's fp32 accumulators [row i][block j][8-row half h] <-> the scratch columns j*16 + h*8.
+template <int MB, int NB>
+__attribute__((always_inline)) inline void load_acc(float* acc, int64_t m0, bool init, __m256 (&c)[MB][NB][2]) {
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h)
+        c[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
+}
+
+template <int MB, int NB>
+__attribute__((always_inline)) inline void store_acc(float* acc, int64_t m0, const __m256 (&c)[MB][NB][2]) {
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, c[i][j][h]);
+}
+
 inline void store_rows(const GemmArgs& a, int64_t nb, int nbn, const float* acc) {
   for (int64_t i = 0; i < a.m; ++i) {
     const float* src = acc + i * kAccCols;
@@ -57,10 +73,7 @@ inline void e8m0x16(const uint8_t* p, __m256& lo, __m256& hi) {
 template <int MB, int NB>
 void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
   __m256 c[MB][NB][2];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h)
-        c[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
+  load_acc<MB, NB>(acc, m0, init, c);
   const uint16_t* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
   const float* x[MB];
@@ -80,9 +93,7 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
         }
       }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, c[i][j][h]);
+  store_acc<MB, NB>(acc, m0, c);
 }
 
 // Small-M tile over 8-row halves: MB rows of x x NH halves (global half index g0..g0+NH-1,
@@ -209,10 +220,7 @@ template <int MB, int NB>
 void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
   const int64_t kb = a.kp / kKBlk;
   __m256 facc[MB][NB][2];  // fp32 accumulators stay in registers across blocks
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h)
-        facc[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
+  load_acc<MB, NB>(acc, m0, init, facc);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -273,9 +281,7 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       }
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, facc[i][j][h]);
+  store_acc<MB, NB>(acc, m0, facc);
 }
 
 // ----------------------------------------------------------------------------- MXFP6 E2M3 (Q8)
@@ -287,10 +293,7 @@ template <int MB, int NB>
 void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
   const int64_t kb = a.kp / kKBlk;
   __m256 facc[MB][NB][2];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h)
-        facc[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
+  load_acc<MB, NB>(acc, m0, init, facc);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -356,9 +359,7 @@ void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       }
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, facc[i][j][h]);
+  store_acc<MB, NB>(acc, m0, facc);
 }
 
 // ----------------------------------------------------------------------------- driver
