@@ -43,6 +43,11 @@ py::dict cpu_info_dict() {
   d["isa_selected"] = isa_name(isa_selected());
   d["isa_levels"] = levels;
   d["threads"] = omp_get_max_threads();
+#ifdef QSPEC_ISA_EMULATION
+  d["isa_emulation"] = true;  // a test build: avx512/amx levels are emulated, not this CPU's
+#else
+  d["isa_emulation"] = false;
+#endif
   return d;
 }
 

@@ -81,6 +81,9 @@ CpuFeatures probe() {
 
 Isa detect(const CpuFeatures& f) {
   const bool avx2 = f.os_avx && f.avx2 && f.fma && f.f16c;
+#ifdef QSPEC_ISA_EMULATION
+  if (avx2) return Isa::amx;  // test build: the AVX-512/AMX kernels run on emulated intrinsics
+#endif
   const bool avx512 = avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   const bool bf16 = avx512 && f.avx512_bf16;
   const bool amx = bf16 && f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permitted;

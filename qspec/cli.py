@@ -167,6 +167,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"isa        detected {info['isa_detected']}, selected {info['isa_selected']} "
           f"(levels: {', '.join(info['isa_levels'])}; QSPEC_ISA lowers it)")
     print(f"threads    {info['threads']}")
+    if info["isa_emulation"]:
+        print("note       test build: the avx512/avx512_bf16/amx levels run on emulated intrinsics (slow)")
     return 0
 
 

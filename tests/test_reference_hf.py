@@ -12,8 +12,10 @@ import qspec
 
 LOGITS_ATOL_TORCH = 1e-4   # FP32 math, FP32 KV: the same op order as transformers (measured: 0)
 LOGITS_ATOL_NATIVE = 0.15  # FP32 math, BF16 KV cache (DESIGN.md): K/V rounded to 8 bits (measured <= 0.10)
+# The avx512_bf16 and amx GEMM paths also round activations to BF16 (csrc/gemm.h); measured
+# <= 0.24 on the six prompts (tests/test_isa_emulation.py runs this file on those levels).
+LOGITS_ATOL_NATIVE_BF16_ACT = 0.3
 NEAR_TIE_TORCH = 1e-4
-NEAR_TIE_NATIVE = 0.15
 N_NEW = 64
 
 PROMPTS = [
@@ -45,8 +47,12 @@ def _ids(engine, prompt):
 
 
 def _tol(engine):
-    torch_be = type(engine.backend).__name__ == "TorchBackend"
-    return (LOGITS_ATOL_TORCH, NEAR_TIE_TORCH) if torch_be else (LOGITS_ATOL_NATIVE, NEAR_TIE_NATIVE)
+    """(logit tolerance, near-tie gap) for this backend at the selected ISA level."""
+    if type(engine.backend).__name__ == "TorchBackend":
+        return LOGITS_ATOL_TORCH, NEAR_TIE_TORCH
+    bf16_act = qspec._C.gemm_choose(engine.backend.lm_head, 1) in ("avx512_bf16", "amx")
+    atol = LOGITS_ATOL_NATIVE_BF16_ACT if bf16_act else LOGITS_ATOL_NATIVE
+    return atol, atol  # a split is a near tie when the reference's top-2 gap is within our error
 
 
 @torch.inference_mode()

@@ -1,0 +1,176 @@
+// Test build only (CMake option QSPEC_ISA_EMULATION): the AVX-512 (F/BW/VL/DQ/BF16) and AMX-BF16
+// kernel sources compiled for an AVX2 host, their intrinsics emulated, so that the whole test
+// suite can run the avx512, avx512_bf16 and amx paths against the scalar oracle on a machine
+// without those instructions. Force-included (-include) ahead of csrc/x86/*_avx512.cpp and
+// *_amx.cpp; never part of a release build.
+//
+// AVX-512: SIMDe (github.com/simd-everywhere/simde) with native aliases, so the kernels compile
+// unchanged. The few intrinsics SIMDe 0.8 lacks are spelled out below with the semantics of
+// the Intel SDM (and, for the horizontal sum, GCC's own order of operations).
+// AMX: eight software tile registers per thread, configured by the 64-byte TILECFG layout;
+// TDPBF16PS follows the SDM pseudo-code (fp32 products of bf16 pairs, even element first).
+#pragma once
+#include <immintrin.h>
+
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+namespace qspec_emu {
+
+inline simde__m512i cvtepi8_epi32(simde__m128i a) {
+  int8_t b[16];
+  std::memcpy(b, &a, 16);
+  int32_t r[16];
+  for (int i = 0; i < 16; ++i) r[i] = b[i];
+  return simde_mm512_loadu_si512(r);
+}
+
+inline simde__m512i cvtepu8_epi32(simde__m128i a) {
+  uint8_t b[16];
+  std::memcpy(b, &a, 16);
+  int32_t r[16];
+  for (int i = 0; i < 16; ++i) r[i] = b[i];
+  return simde_mm512_loadu_si512(r);
+}
+
+// Masked loads and stores touch only the lanes of the mask, as the hardware does (SIMDe 0.8
+// reads all 16 lanes for a masked load and writes zeros to the unmasked lanes of a masked store:
+// that would read past buffers and clobber the neighbouring data the kernels rely on).
+inline simde__m512 mask_loadu_ps(simde__m512 src, simde__mmask16 k, const void* p) {
+  float v[16];
+  simde_mm512_storeu_ps(v, src);
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(&v[i], static_cast<const float*>(p) + i, 4);
+  return simde_mm512_loadu_ps(v);
+}
+
+inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
+  return mask_loadu_ps(simde_mm512_setzero_ps(), k, p);
+}
+
+inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
+  float v[16];
+  simde_mm512_storeu_ps(v, a);
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(static_cast<float*>(p) + i, &v[i], 4);
+}
+
+// GCC's _mm512_reduce_add_ps: (hi256 + lo256), then (hi128 + lo128), then lanes {2,3} onto
+// {0,1}, then lane 0 + lane 1.
+inline float reduce_add_ps(simde__m512 a) {
+  float v[16];
+  simde_mm512_storeu_ps(v, a);
+  float t3[8], t6[4];
+  for (int i = 0; i < 8; ++i) t3[i] = v[8 + i] + v[i];
+  for (int i = 0; i < 4; ++i) t6[i] = t3[4 + i] + t3[i];
+  const float t8_0 = t6[0] + t6[2], t8_1 = t6[1] + t6[3];
+  return t8_0 + t8_1;
+}
+
+struct TileRegs {
+  uint8_t rows[8] = {};
+  uint16_t colsb[8] = {};
+  bool configured = false;
+  alignas(64) uint8_t data[8][16][64] = {};
+};
+
+inline TileRegs& tiles() {
+  static thread_local TileRegs t;
+  return t;
+}
+
+inline void check_tile(int t) {
+  if (t < 0 || t > 7 || !tiles().configured) throw std::logic_error("emulated AMX: tile not configured");
+}
+
+inline void tile_loadconfig(const void* cfg) {
+  const uint8_t* c = static_cast<const uint8_t*>(cfg);
+  if (c[0] != 1) throw std::logic_error("emulated AMX: palette must be 1");
+  TileRegs& r = tiles();
+  for (int t = 0; t < 8; ++t) {
+    std::memcpy(&r.colsb[t], c + 16 + 2 * t, 2);
+    r.rows[t] = c[48 + t];
+    if (r.rows[t] > 16 || r.colsb[t] > 64) throw std::logic_error("emulated AMX: tile larger than 16 x 64 bytes");
+  }
+  r.configured = true;
+}
+
+inline void tile_release() { tiles() = TileRegs(); }
+
+inline void tile_zero(int t) {
+  check_tile(t);
+  std::memset(tiles().data[t], 0, sizeof(tiles().data[t]));
+}
+
+inline void tile_loadd(int t, const void* base, long stride) {
+  check_tile(t);
+  TileRegs& r = tiles();
+  std::memset(r.data[t], 0, sizeof(r.data[t]));
+  for (int i = 0; i < r.rows[t]; ++i)
+    std::memcpy(r.data[t][i], static_cast<const uint8_t*>(base) + i * stride, r.colsb[t]);
+}
+
+inline void tile_stored(int t, void* base, long stride) {
+  check_tile(t);
+  TileRegs& r = tiles();
+  for (int i = 0; i < r.rows[t]; ++i) std::memcpy(static_cast<uint8_t*>(base) + i * stride, r.data[t][i], r.colsb[t]);
+}
+
+inline float bf16_at(const uint8_t* row, int i) {
+  uint16_t h;
+  std::memcpy(&h, row + 2 * i, 2);
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// C[m][n] += A.bf16[m][2k] * B.bf16[k][2n] + A.bf16[m][2k+1] * B.bf16[k][2n+1], k ascending.
+inline void tile_dpbf16ps(int c, int a, int b) {
+  check_tile(c);
+  check_tile(a);
+  check_tile(b);
+  TileRegs& r = tiles();
+  for (int m = 0; m < r.rows[c]; ++m) {
+    float acc[16];
+    std::memcpy(acc, r.data[c][m], 64);
+    for (int k = 0; k < r.colsb[a] / 4; ++k)
+      for (int n = 0; n < r.colsb[c] / 4; ++n) {
+        acc[n] += bf16_at(r.data[a][m], 2 * k) * bf16_at(r.data[b][k], 2 * n);
+        acc[n] += bf16_at(r.data[a][m], 2 * k + 1) * bf16_at(r.data[b][k], 2 * n + 1);
+      }
+    std::memcpy(r.data[c][m], acc, 64);
+  }
+}
+
+}  // namespace qspec_emu
+
+#undef _mm512_mask_loadu_ps
+#define _mm512_mask_loadu_ps(src, k, p) qspec_emu::mask_loadu_ps(src, k, p)
+#undef _mm512_maskz_loadu_ps
+#define _mm512_maskz_loadu_ps(k, p) qspec_emu::maskz_loadu_ps(k, p)
+#undef _mm512_mask_storeu_ps
+#define _mm512_mask_storeu_ps(p, k, a) qspec_emu::mask_storeu_ps(p, k, a)
+#undef _mm512_cvtepi8_epi32
+#define _mm512_cvtepi8_epi32(a) qspec_emu::cvtepi8_epi32(a)
+#undef _mm512_cvtepu8_epi32
+#define _mm512_cvtepu8_epi32(a) qspec_emu::cvtepu8_epi32(a)
+#undef _mm512_reduce_add_ps
+#define _mm512_reduce_add_ps(a) qspec_emu::reduce_add_ps(a)
+
+#undef _tile_loadconfig
+#define _tile_loadconfig(cfg) qspec_emu::tile_loadconfig(cfg)
+#undef _tile_release
+#define _tile_release() qspec_emu::tile_release()
+#undef _tile_zero
+#define _tile_zero(t) qspec_emu::tile_zero(t)
+#undef _tile_loadd
+#define _tile_loadd(t, base, stride) qspec_emu::tile_loadd(t, base, stride)
+#undef _tile_stored
+#define _tile_stored(t, base, stride) qspec_emu::tile_stored(t, base, stride)
+#undef _tile_dpbf16ps
+#define _tile_dpbf16ps(c, a, b) qspec_emu::tile_dpbf16ps(c, a, b)
