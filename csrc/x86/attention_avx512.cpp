@@ -13,9 +13,9 @@
 // partial last block computes lanes for keys it then drops; each tree lane depends on its own
 // key only). No cache row beyond the call's last row is read.
 //
-// UNTESTED on hardware so far: written on an AVX2-only machine (the dispatcher cannot select it
-// there; it compiles). tests/test_attention.py runs it against the float64 oracle and for
-// bit-exact batch invariance wherever the CPU probe reports AVX-512.
+// Not yet run on AVX-512 hardware: tests/test_attention.py checks it against the float64 oracle
+// and for bit-exact batch invariance under emulation (tests/test_isa_emulation.py) and wherever
+// the CPU probe reports AVX-512.
 #include <immintrin.h>
 
 #include <cmath>

@@ -3,7 +3,8 @@
 // already the B-tile layout: one row block and 32 k = 16 rows of 64 bytes (k pair x 16 columns).
 // C = 2 x 2 tiles of 16 x 16 fp32 per step; each output element accumulates over k in tile
 // order, independent of the other rows (batch invariant within this path).
-// NOT RUN on the development machine (AMD Zen 3, no AMX): compiled, never executed there.
+// Not yet run on AMX hardware: tested against ref under emulation (tests/test_isa_emulation.py,
+// software tiles per the SDM pseudo-code), which checks the code, not TDPBF16PS's rounding.
 #include <immintrin.h>
 
 #include <cstdint>

@@ -3,7 +3,7 @@
 //                so bit-identical to ref and avx2 for every format.
 //   avx512_bf16  BF16 weights only: x rounded to bf16 by the driver, vdpbf16ps per k pair
 //                (one chain per output element over k pairs: batch invariant).
-// NOT RUN on the development machine (AMD Zen 3, no AVX-512): compiled, never executed there.
+// Not yet run on AVX-512 hardware: tested against ref under emulation (tests/test_isa_emulation.py).
 // Everything here is static / anonymous-namespace except the entry points (gemm_internal.h).
 #include <immintrin.h>
 
