@@ -186,6 +186,8 @@ def fmt_table(rows: list[dict], cols: list[str]) -> str:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)

@@ -8,7 +8,10 @@ plain and every speculative setting run back to back (interleaved), so the ratio
 with like. Per setting: tokens/s (median over prompts of per-prompt tok/s), speedup = median of
 per-prompt ratios to plain, acceptance (accepted / drafted), tau (tokens per verify step), and
 the cost ratios measured directly at a fixed context: c = draft step / target step and
-v(K) = verify of K+1 rows / target step. Synthetic-weight Llama-3.2-1B shapes: c and v(K) only
+v(K) = verify of K+1 rows / target step. For a fixed K, two bounds put the measured speedup in
+context: model = tau / (K c + v(K)) (BENCH.md: what the measured step costs allow, before host
+overhead) and ceiling = tau / (K r + 1) with r = draft bytes / target bytes (what the same
+acceptance would give if every pass ran at the memory-bandwidth floor). Synthetic-weight Llama-3.2-1B shapes: c and v(K) only
 (speed, never acceptance). Peak RSS of plain vs speculative comes from separate processes.
 """
 
@@ -53,6 +56,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
         eng = qspec.load(draft=spec, threads=args.threads)
         fixed = sorted({k for k, _ in args.ks if k != "auto"})
         cr = cost_ratios(eng.backend, fixed, 128, 5 if args.quick else 11)
+        byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
         for temp in args.temps:
             per = {k: {"tps": [], "ratio": [], "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0}
@@ -77,19 +81,24 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                     row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0}
                 else:
                     k, pm = key
-                    row = {"mode": "speculative", "draft": dspec, "k": k,
-                           "draft_p_min": DEFAULT_DRAFT_PARAMS.draft_p_min if pm is None else pm,
+                    pm = DEFAULT_DRAFT_PARAMS.draft_p_min if pm is None else pm
+                    tau = d["tokens"] / max(1, d["steps"])
+                    fixed_k = k != "auto" and pm == 0  # every step drafts K (bar the last)
+                    row = {"mode": "speculative", "draft": dspec, "k": k, "draft_p_min": pm,
                            "speedup": statistics.median(d["ratio"]),
                            "acceptance_rate": d["accepted"] / max(1, d["drafted"]),
-                           "tokens_per_step": d["tokens"] / max(1, d["steps"]),
-                           "c": cr["c"], "v": cr.get(f"v{k}")}
+                           "tokens_per_step": tau, "c": cr["c"], "v": cr.get(f"v{k}"),
+                           "model_speedup": tau / (k * cr["c"] + cr[f"v{k}"]) if fixed_k else None,
+                           "ceiling_speedup": tau / (k * byte_ratio + 1) if fixed_k else None,
+                           "byte_ratio": byte_ratio}
                 row.update(model="SmolLM2-135M-Instruct", weights="real", temperature=temp,
                            tokens_per_s=statistics.median(d["tps"]), prompts=len(prompts), new_tokens=n_new,
                            threads=args.threads)
                 rows.append(row)
                 out.write(row)
                 print(fmt_table([row], ["draft", "k", "draft_p_min", "temperature", "tokens_per_s", "speedup",
-                                        "acceptance_rate", "tokens_per_step", "c", "v"]).splitlines()[-1],
+                                        "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup",
+                                        "ceiling_speedup"]).splitlines()[-1],
                       flush=True)
         del eng
     return rows
