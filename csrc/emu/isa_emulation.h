@@ -21,16 +21,10 @@
 
 namespace qspec_emu {
 
-inline simde__m512i cvtepi8_epi32(simde__m128i a) {
-  int8_t b[16];
-  std::memcpy(b, &a, 16);
-  int32_t r[16];
-  for (int i = 0; i < 16; ++i) r[i] = b[i];
-  return simde_mm512_loadu_si512(r);
-}
-
-inline simde__m512i cvtepu8_epi32(simde__m128i a) {
-  uint8_t b[16];
+// 16 bytes (signed or unsigned by T) widened to 16 int32 lanes.
+template <typename T>
+inline simde__m512i widen_bytes(simde__m128i a) {
+  T b[16];
   std::memcpy(b, &a, 16);
   int32_t r[16];
   for (int i = 0; i < 16; ++i) r[i] = b[i];
@@ -156,9 +150,9 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps(p, k, a) qspec_emu::mask_storeu_ps(p, k, a)
 #undef _mm512_cvtepi8_epi32
-#define _mm512_cvtepi8_epi32(a) qspec_emu::cvtepi8_epi32(a)
+#define _mm512_cvtepi8_epi32(a) qspec_emu::widen_bytes<int8_t>(a)
 #undef _mm512_cvtepu8_epi32
-#define _mm512_cvtepu8_epi32(a) qspec_emu::cvtepu8_epi32(a)
+#define _mm512_cvtepu8_epi32(a) qspec_emu::widen_bytes<uint8_t>(a)
 #undef _mm512_reduce_add_ps
 #define _mm512_reduce_add_ps(a) qspec_emu::reduce_add_ps(a)
 
