@@ -156,7 +156,11 @@ def plot(rows: list[dict], path: str, ctx: dict) -> None:
         if not pts:
             continue
         lab = f"{draft}, T={temp}" + (f", p_min={pm}" if pm else "")
-        a1.plot([r["k"] for r in pts], [r["speedup"] for r in pts], "o-", label=lab)
+        line, = a1.plot([r["k"] for r in pts], [r["speedup"] for r in pts], "o-", label=lab)
+        ceil = [r for r in pts if r.get("ceiling_speedup")]
+        if ceil:
+            a1.plot([r["k"] for r in ceil], [r["ceiling_speedup"] for r in ceil], ":", color=line.get_color(),
+                    label=f"{lab}: bandwidth ceiling")
         a2.plot([r["k"] for r in pts], [r["tokens_per_step"] for r in pts], "o-", label=lab)
     a1.axhline(1.0, color="k", ls="--", lw=1)
     a1.set_xlabel("K (draft_max)")
