@@ -11,8 +11,8 @@ the cost ratios measured directly at a fixed context: c = draft step / target st
 v(K) = verify of K+1 rows / target step. For a fixed K, two bounds put the measured speedup in
 context: model = tau / (K c + v(K)) (BENCH.md: what the measured step costs allow, before host
 overhead) and ceiling = tau / (K r + 1) with r = draft bytes / target bytes (what the same
-acceptance would give if every pass ran at the memory-bandwidth floor). Synthetic-weight Llama-3.2-1B shapes: c and v(K) only
-(speed, never acceptance). Peak RSS of plain vs speculative comes from separate processes.
+acceptance would give if every pass ran at the memory-bandwidth floor). Synthetic-weight
+Llama-3.2-1B shapes: c and v(K) only (speed, never acceptance). Peak RSS of plain vs speculative comes from separate processes.
 """
 
 from __future__ import annotations
@@ -26,14 +26,21 @@ import sys
 from bench.common import JsonWriter, fmt_table, parent_parser, print_header, setup, time_interleaved
 from bench.models import dev_prompts, parse_draft, step_costs, synthetic_backend
 from qspec.engine import DEFAULT_DRAFT, DEFAULT_DRAFT_PARAMS
+from qspec.speculative import DraftParams
 
 
 def _ks(s: str) -> list[tuple]:
-    """"1,auto,auto@0.8" -> [(1, None), ("auto", None), ("auto", 0.8)] (K, draft_p_min)."""
+    """"1,auto,auto@0.8" -> [(1, None), ("auto", None), ("auto", 0.8)] (K, draft_p_min); each
+    setting is checked by the engine's own DraftParams, so a bad one is one argparse error line."""
     out = []
     for item in s.split(","):
         k, _, p = item.partition("@")
-        out.append((k if k == "auto" else int(k), float(p) if p else None))
+        try:
+            setting = (k if k == "auto" else int(k), float(p) if p else None)
+            DraftParams(draft_max=setting[0], draft_p_min=setting[1] or 0.0)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{item!r}: {e}") from None
+        out.append(setting)
     return out
 
 

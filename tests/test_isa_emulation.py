@@ -28,9 +28,8 @@ BOOTSTRAP = """
 import importlib.machinery as m, sys
 sys.path.insert(0, sys.argv.pop(1))
 std = (m.BuiltinImporter, m.FrozenImporter, m.PathFinder)
-sys.meta_path = [f for f in sys.meta_path
-                 if f in std or (isinstance(f, type) and issubclass(f, std))
-                 or not (hasattr(f, "find_spec") and f.find_spec("qspec", None))]
+sys.meta_path = [f for f in sys.meta_path if (isinstance(f, type) and issubclass(f, std))
+                 or not getattr(f, "find_spec", lambda *a: None)("qspec", None)]
 import qspec
 info = qspec.cpu_info()
 assert info["isa_emulation"] and info["isa_levels"][-1] == "amx", (qspec._C.__file__, info)
@@ -50,14 +49,14 @@ def _build() -> Path:
     pybind11 = pytest.importorskip("pybind11")
     if not (REPO / "CMakeLists.txt").exists():
         pytest.skip("needs a source checkout (CMakeLists.txt next to tests/)")
+    steps = [["--build", str(BUILD), "-j", str(os.cpu_count() or 1)]]
     if not (BUILD / "CMakeCache.txt").exists():
-        subprocess.run(["cmake", "-S", str(REPO), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DQSPEC_ISA_EMULATION=ON", f"-DSIMDE_INCLUDE={simde_py.get_include()}",
-                        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}"],
-                       check=True, capture_output=True, text=True)
-    r = subprocess.run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 1)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+        steps.insert(0, ["-S", str(REPO), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release",
+                         "-DQSPEC_ISA_EMULATION=ON", f"-DSIMDE_INCLUDE={simde_py.get_include()}",
+                         f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}"])
+    for args in steps:
+        r = subprocess.run(["cmake", *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (so,) = BUILD.glob("_C*.so")
     return so
 
