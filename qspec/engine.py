@@ -219,11 +219,9 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     spec = resolve_draft_spec(draft, draft_lm_head)
     if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None):
         raise ValueError("the torch backend has no draft; use backend='native'")
-    if model is None:
-        from .default_model import default_model_dir
+    from .fetch import resolve_model  # None = the default model, a known name, or a folder
 
-        model = default_model_dir()
-    model_dir = check_model_dir(model)
+    model_dir = resolve_model(model)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     tok = Tokenizer(model_dir)
     draft_packed = None

@@ -15,3 +15,8 @@ class DraftFileError(ModelLoadError, ValueError):
 
 class PromptTooLongError(QspecError, ValueError):
     """The prompt plus the requested new tokens do not fit in the model's context."""
+
+
+class FetchError(QspecError):
+    """`qspec fetch`: an unknown model name, a failed download, wheels of the wrong size or
+    checksum, or a write error (a full disk) while fetching or converting."""
