@@ -1,7 +1,8 @@
 """Shared benchmark plumbing (BENCH.md): header, timing, JSON lines, measured read bandwidth.
 
-Every bench module builds its CLI from `parent_parser()` (--threads/--json/--plot/--quick),
-calls `setup(args)` + `print_header(args)`, times with `time_fn` / `time_interleaved`, and
+Every bench module builds its CLI from `parent_parser()` (--threads/--json/--plot/--quick; those
+that run a model add `model_parser()`: --model NAME|DIR, --prompt-file), calls `setup(args)` +
+`print_header(args)`, times with `time_fn` / `time_interleaved`, and
 writes one JSON line per case with `JsonWriter` (header context is added to every line).
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from qspec import _C
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+DEV_PROMPTS = HERE / "prompts" / "dev.jsonl"  # the dev prompt set, shipped with the benchmarks
 
 
 def parent_parser() -> argparse.ArgumentParser:
@@ -34,6 +36,41 @@ def parent_parser() -> argparse.ArgumentParser:
     return p
 
 
+def model_parser(prompts: bool = True) -> argparse.ArgumentParser:
+    """--model (a known name such as qwen2.5-coder-1.5b, see `qspec fetch --list`, or a model
+    directory; default: the default model) and, for modules that generate, --prompt-file."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-m", "--model", metavar="NAME|DIR", default=None,
+                   help="model name (qspec fetch --list) or directory (default: SmolLM2-135M-Instruct)")
+    if prompts:
+        p.add_argument("--prompt-file", metavar="JSONL", type=_prompt_file, default=str(DEV_PROMPTS),
+                       help="JSON lines with a 'prompt' field (default: the dev set shipped in bench/prompts)")
+    return p
+
+
+def dev_prompts(path: str | None = None) -> list[str]:
+    """The "prompt" field of each JSON line of `path` (default: the shipped dev set)."""
+    p = Path(path) if path else DEV_PROMPTS
+    try:
+        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [json.loads(line)["prompt"] for line in lines]
+    except OSError as e:
+        raise ValueError(f"prompt file {p}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"prompt file {p}: not JSON lines with a 'prompt' field ({e})") from None
+    if not prompts or not all(isinstance(x, str) and x for x in prompts):
+        raise ValueError(f"prompt file {p}: needs at least one non-empty 'prompt' string per line")
+    return prompts
+
+
+def _prompt_file(s: str) -> str:
+    try:
+        dev_prompts(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def setup(args) -> int:
     """Apply --threads to qspec's OpenMP pool and to torch (if imported); returns the count."""
     n = args.threads or os.cpu_count() or 1
@@ -45,14 +82,20 @@ def setup(args) -> int:
 
 
 def git_commit() -> str:
+    """The source's git commit (+"-dirty") when run from a checkout, else the installed version."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
                                capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        try:
+            return f"qspec {version('qspec')}"
+        except PackageNotFoundError:
+            return "unknown"
 
 
 def machine_context(threads: int) -> dict:

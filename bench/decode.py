@@ -1,9 +1,9 @@
 """Plain BF16 decode speed against its memory-bandwidth floor (BENCH.md rules 4, 6):
-`python -m bench.decode [--threads N] [--quick] [--json PATH] [--plot PATH]`.
+`qspec bench decode [--model NAME|DIR] [--prompt-file F] [--threads N] [--quick] [--json PATH] [--plot PATH]`.
 
   floor_tokens_per_s = read bandwidth (measured in this run, same threads) / BF16 weight bytes per token
   pct_of_floor       = tokens_per_s / floor_tokens_per_s
-Default model: greedy, 128 new tokens, median over dev prompts; prefill reported separately.
+Real model (--model, default SmolLM2-135M): greedy, 128 new tokens, median over dev prompts; prefill reported separately.
 Synthetic shapes (labelled): median of one-token steps at a fixed context.
 """
 
@@ -13,22 +13,20 @@ import argparse
 import resource
 import statistics
 
-from bench.common import (JsonWriter, fmt_table, measure_bandwidth, parent_parser, print_header, setup,
-                          time_interleaved)
-from bench.models import dev_prompts, step_costs, synthetic_backend
+from .common import (JsonWriter, dev_prompts, fmt_table, measure_bandwidth, model_parser, parent_parser,
+                     print_header, setup, time_interleaved)
+from .models import load_engine, model_label, step_costs, synthetic_backend
 
 
 def run(args) -> list[dict]:
-    import qspec
-
     setup(args)
     ctx = print_header(args, "bench.decode: plain BF16 greedy decode vs the bandwidth floor")
     bw = measure_bandwidth(args.threads)
     print(f"# read bandwidth ({args.threads} threads): {bw:.1f} GB/s")
     rows = []
     out = JsonWriter(args.json, ctx)
-    eng = qspec.load(draft=None, threads=args.threads)
-    prompts = dev_prompts()[: 3 if args.quick else args.prompts]
+    eng = load_engine(args, None)
+    prompts = dev_prompts(args.prompt_file)[: 3 if args.quick else args.prompts]
     n_new = 32 if args.quick else 128
     tps, prefill = [], []
     eng.generate(prompts[0], max_new_tokens=8)  # warm-up
@@ -40,7 +38,7 @@ def run(args) -> list[dict]:
     prof = eng.backend.model.profile()  # includes the prefills; decode dominates
     wbytes = eng.backend.target_bytes
     floor = bw * 1e9 / wbytes
-    r = {"model": "SmolLM2-135M-Instruct", "weights": "real", "threads": args.threads,
+    r = {"model": model_label(eng), "weights": "real", "threads": args.threads,
          "tokens_per_s": statistics.median(tps), "floor_tokens_per_s": floor,
          "pct_of_floor": 100 * statistics.median(tps) / floor, "weight_mb": wbytes / 1e6,
          "prefill_ms_per_token": 1e3 * statistics.median(prefill), "prompts": len(prompts), "new_tokens": n_new,
@@ -80,7 +78,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.decode", parents=[parent_parser()],
+    p = argparse.ArgumentParser(prog="qspec bench decode", parents=[parent_parser(), model_parser()],
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=5, help="dev prompts to decode (default 5)")
     run(p.parse_args(argv))

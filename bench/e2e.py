@@ -1,9 +1,11 @@
 """End to end: plain BF16 vs speculative decoding in one run (BENCH.md rule 5):
-`python -m bench.e2e [--threads N] [--quick] [--json PATH] [--plot PATH] [--drafts ...] [--ks ...]`.
+`qspec bench e2e [--model NAME|DIR] [--prompt-file F] [--threads N] [--quick] [--json PATH] [--plot PATH]
+[--drafts ...] [--ks ...]` (or `python -m bench.e2e ...` from a development install).
 A setting in --ks is K (1..32), "auto", or either with "@P" for draft_p_min = P (e.g.
 `--ks 1,auto,auto@0.8`); without "@P" the engine's default draft_p_min applies.
 
-Default model over the dev prompts, 128 new tokens, greedy and temperature 0.7: for each prompt
+--model (default SmolLM2-135M; the benchmark of record is qwen2.5-coder-1.5b) over the prompt file
+(default: the dev prompts), 128 new tokens, greedy and temperature 0.7: for each prompt
 plain and every speculative setting run back to back (interleaved), so the ratios compare like
 with like. Per setting: tokens/s (median over prompts of per-prompt tok/s), speedup = median of
 per-prompt ratios to plain, acceptance (accepted / drafted), tau (tokens per verify step), and
@@ -23,8 +25,9 @@ import statistics
 import subprocess
 import sys
 
-from bench.common import JsonWriter, fmt_table, parent_parser, print_header, setup, time_interleaved
-from bench.models import dev_prompts, parse_draft, step_costs, synthetic_backend
+from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup,
+                     time_interleaved)
+from .models import load_engine, model_label, parse_draft, step_costs, synthetic_backend
 from qspec.engine import DEFAULT_DRAFT, DEFAULT_DRAFT_PARAMS
 from qspec.speculative import DraftParams
 
@@ -53,14 +56,13 @@ def cost_ratios(be, ks: list[int], context: int, reps: int) -> dict:
 
 
 def real_model(args, ctx, out: JsonWriter) -> list[dict]:
-    import qspec
-
     prompts = dev_prompts(args.prompt_file)[: 4 if args.quick else args.prompts]
     n_new = 64 if args.quick else args.max_new
     rows = []
     for dspec in args.drafts:
         spec = parse_draft(dspec)
-        eng = qspec.load(draft=spec, threads=args.threads)
+        eng = load_engine(args, spec)
+        name = model_label(eng)
         fixed = sorted({k for k, _ in args.ks if k != "auto"})
         cr = cost_ratios(eng.backend, fixed, 128, 5 if args.quick else 11)
         byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
@@ -98,7 +100,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                            "model_speedup": tau / (k * cr["c"] + cr[f"v{k}"]) if fixed_k else None,
                            "ceiling_speedup": tau / (k * byte_ratio + 1) if fixed_k else None,
                            "byte_ratio": byte_ratio}
-                row.update(model="SmolLM2-135M-Instruct", weights="real", temperature=temp,
+                row.update(model=name, weights="real", temperature=temp,
                            tokens_per_s=statistics.median(d["tps"]), prompts=len(prompts), new_tokens=n_new,
                            threads=args.threads)
                 rows.append(row)
@@ -132,25 +134,29 @@ def peak_rss(args) -> dict:
     """Peak RSS (MB) of plain vs speculative generation, each in a fresh process."""
     res = {}
     for mode in ("plain", "speculative"):
-        cmd = [sys.executable, "-m", "bench.e2e", "--rss-probe", mode, "--drafts", args.drafts[0],
-               "--threads", str(args.threads)]
-        res[mode] = float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1])
+        cmd = [sys.executable, "-m", __spec__.name, "--rss-probe", mode, "--drafts", args.drafts[0],
+               "--threads", str(args.threads), "--prompt-file", args.prompt_file]
+        if args.model:
+            cmd += ["--model", args.model]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SystemExit(f"bench: error: peak-RSS probe ({mode}) failed: {err}")
+        res[mode] = float(proc.stdout.split()[-1])
     return res
 
 
 def rss_probe(args) -> None:
-    import qspec
-
     setup(args)
     spec = parse_draft(args.drafts[0])
-    eng = qspec.load(draft=None if args.rss_probe == "plain" else spec, threads=args.threads)
+    eng = load_engine(args, None if args.rss_probe == "plain" else spec)
     eng.generate(dev_prompts(args.prompt_file)[0], max_new_tokens=64)
     # VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child reports its parent's peak
     hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
     print(int(hwm.split()[1]) / 1024)
 
 
-def plot(rows: list[dict], path: str, ctx: dict) -> None:
+def plot(rows: list[dict], path: str, ctx: dict, model: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -177,14 +183,14 @@ def plot(rows: list[dict], path: str, ctx: dict) -> None:
     for a in (a1, a2):
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
-    fig.suptitle(f"SmolLM2-135M-Instruct, {ctx['threads']} threads, {ctx['cpu']} ({ctx['isa']})", fontsize=10)
+    fig.suptitle(f"{model}, {ctx['threads']} threads, {ctx['cpu']} ({ctx['isa']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.e2e", parents=[parent_parser()], description=__doc__,
+    p = argparse.ArgumentParser(prog="qspec bench e2e", parents=[parent_parser(), model_parser()], description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafts", type=lambda s: s.split(","), default=None,
                    help="comma list of FORMAT[:LM_HEAD_FORMAT] (default: the engine's default draft)")
@@ -192,7 +198,6 @@ def main(argv=None) -> None:
                    help="comma list of K, auto, K@P or auto@P (P = draft_p_min; default 1..8,auto)")
     p.add_argument("--temps", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 0.7])
     p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--prompt-file", default=None)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--no-synthetic", action="store_true")
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
@@ -216,7 +221,7 @@ def main(argv=None) -> None:
         print(f"# peak RSS plain {rss['plain']:.0f} MB, speculative {rss['speculative']:.0f} MB "
               f"({r['ratio']:.2f}x)")
     if args.plot:
-        plot(rows, args.plot, ctx)
+        plot(rows, args.plot, ctx, next((r["model"] for r in rows if r.get("weights") == "real"), "?"))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.common import (JsonWriter, fmt_table, measure_bandwidth, parent_parser, print_header,
+from .common import (JsonWriter, fmt_table, measure_bandwidth, parent_parser, print_header,
                           reps_for, setup, time_interleaved)
 from qspec import _C
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from bench.common import JsonWriter, fmt_table, parent_parser, print_header, setup
+from .common import JsonWriter, fmt_table, parent_parser, print_header, setup
 from qspec import _C
 
 

@@ -1,9 +1,6 @@
-"""Engines for the decode / end-to-end benchmarks: the real default model and synthetic shapes."""
+"""Engines for the decode / end-to-end benchmarks: real models (--model) and synthetic shapes."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import numpy as np
 
@@ -12,12 +9,19 @@ from qspec.draft import DraftSpec
 from qspec.native import NativeBackend
 from qspec.synthetic import synthetic_config, synthetic_weights
 
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "dev.jsonl"
 
 
-def dev_prompts(path: str | None = None) -> list[str]:
-    p = Path(path) if path else PROMPTS
-    return [json.loads(line)["prompt"] for line in p.read_text().splitlines() if line.strip()]
+def load_engine(args, draft: DraftSpec | None):
+    """`qspec.load` of --model with --threads; a user error (unknown name, bad folder) is one line."""
+    try:
+        return qspec.load(args.model, draft=draft, threads=args.threads)
+    except (qspec.QspecError, ValueError) as e:
+        raise SystemExit(f"bench: error: {e}") from None
+
+
+def model_label(engine) -> str:
+    """The model's name for tables and JSON: its directory name (a fetched model's name)."""
+    return engine.model_dir.name
 
 
 def parse_draft(s: str) -> DraftSpec:

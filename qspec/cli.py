@@ -12,6 +12,8 @@ from .draft import DRAFT_FORMATS
 from .errors import QspecError
 from .speculative import DRAFT_MAX_LIMIT
 
+BENCHMARKS = ("membw", "kernels", "decode", "e2e")  # modules of qspec.bench (bench/ in the source tree)
+
 
 def _positive_int(s: str) -> int:
     try:
@@ -44,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,fetch,convert,quantize,info}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,fetch,convert,quantize,info,bench}")
 
     g = sub.add_parser("generate", help="generate text (prompt argument or stdin)")
     g.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
@@ -87,6 +89,11 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", help="output directory (must not exist or be empty)")
 
     sub.add_parser("info", help="CPU features, ISA levels and threads")
+
+    b = sub.add_parser("bench", help="benchmarks (qspec bench NAME --help): " + ", ".join(BENCHMARKS),
+                       add_help=False)
+    b.add_argument("benchmark", choices=BENCHMARKS)
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     return p
 
 
@@ -196,6 +203,13 @@ def _cmd_quantize(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(a: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(f"qspec.bench.{a.benchmark}").main(a.args)
+    return 0
+
+
 def _cmd_info(a: argparse.Namespace) -> int:
     from . import cpu_info
 
@@ -215,7 +229,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     commands = {"generate": _cmd_generate, "fetch": _cmd_fetch, "convert": _cmd_convert,
-                "quantize": _cmd_quantize, "info": _cmd_info}
+                "quantize": _cmd_quantize, "info": _cmd_info, "bench": _cmd_bench}
     try:
         return commands[args.command](args)
     except BrokenPipeError:  # `qspec generate ... | head`

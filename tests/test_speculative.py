@@ -1,26 +1,24 @@
 """Speculative decoding: bit-exact losslessness (greedy), exact distribution (sampling), shared KV."""
 
-import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 import qspec
 from qspec import _C
+from qspec.bench.common import dev_prompts as load_prompts
 from qspec.draft import DRAFT_FORMATS
 from qspec.sampling import SamplingParams, warp
 from qspec.speculative import _accept_sampled
 
-PROMPTS_FILE = Path(os.environ.get("QSPEC_PROMPTS", Path(__file__).resolve().parents[2] / "shared/prompts/dev.jsonl"))
 ISA_LEVELS = _C.cpu_info()["isa_levels"]
 
 
 def dev_prompts() -> list[str]:
-    assert PROMPTS_FILE.exists(), f"prompt set not found: {PROMPTS_FILE} (set QSPEC_PROMPTS)"
-    return [json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines() if line.strip()]
+    """The dev prompt set shipped with the benchmarks (bench/prompts), or $QSPEC_PROMPTS."""
+    return load_prompts(os.environ.get("QSPEC_PROMPTS"))
 
 
 @pytest.fixture(autouse=True)
