@@ -3,11 +3,14 @@
 Only the GEMM weights are cast; embeddings, norms and (by default) the LM head are the target's
 own, shared, not copied (DESIGN.md invariant 3: one weight source).
 
-Draft file (safetensors, written atomically): one uint8 tensor per packed buffer, named
+Packed file (safetensors, written atomically): one uint8 tensor per packed buffer, named
 "<matrix>/<buffer>" where <matrix> is "layers.<i>.<wqkv|wo|w_gate_up|w_down>" or "lm_head".
-Metadata: qspec_draft_version, pack_layout_version, format, lm_head, source (the checkpoint's
-path, weight-file bytes and config.json SHA-256), and "matrices" = {matrix: [fmt, n, k]}.
-A file of another version, layout, or checkpoint is refused with DraftFileError.
+Metadata: qspec_draft_version (the packed-file version), pack_layout_version, kind ("draft", the
+default, or "target" for the weight cache's BF16 file), format, lm_head, source (the
+checkpoint's path, weight-file bytes, per-file size and mtime, config.json SHA-256), and
+"matrices" = {matrix: [fmt, n, k]}. The header is padded with spaces so the data starts on a
+page boundary. A `qspec quantize` draft file is this file of kind "draft"; one of another
+version, layout, or checkpoint (weight bytes or config.json differ) is refused with DraftFileError.
 """
 
 from __future__ import annotations
@@ -17,18 +20,19 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import save_file
 
 from . import _C, mx
 from .errors import DraftFileError
 
 DRAFT_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3")
 DRAFT_FILE_VERSION = 1
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -65,28 +69,62 @@ def pack_mx_matrix(w: torch.Tensor, fmt: str):
     return _C.pack_mx(fmt, codes, scales, k)
 
 
-def checkpoint_identity(model_dir: Path) -> dict[str, str]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    size = sum(f.stat().st_size for f in files)
+def checkpoint_identity(model_dir: Path) -> dict:
+    """What a packed file was made from: the checkpoint's path, weight files (total bytes, and
+    each file's size and mtime) and config.json hash. A draft file is checked on the bytes and
+    the hash (it survives copying the model); the weight cache on all of it."""
+    from .loader import _weight_files
+
+    files = _weight_files(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    stats = {f.name: f.stat() for f in files + ([index] if index.exists() else [])}
     digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-    return {"path": str(model_dir.resolve()), "weight_bytes": str(size), "config_sha256": digest}
+    return {"path": str(model_dir.resolve()), "weight_bytes": str(sum(stats[f.name].st_size for f in files)),
+            "config_sha256": digest, "files": {n: [s.st_size, s.st_mtime_ns] for n, s in stats.items()}}
 
 
-def save_draft_file(path: Path, model_dir: Path, spec: DraftSpec, packed: dict) -> Path:
-    tensors, matrices = {}, {}
-    for name, pw in packed.items():
-        matrices[name] = [pw.fmt, pw.n, pw.k]
-        for buf, arr in pw.buffers().items():
-            tensors[f"{name}/{buf}"] = np.ascontiguousarray(arr)
-    meta = {"qspec_draft_version": str(DRAFT_FILE_VERSION), "pack_layout_version": str(_C.PACK_LAYOUT_VERSION),
-            "format": spec.fmt, "lm_head": spec.lm_head, "source": json.dumps(checkpoint_identity(model_dir)),
-            "matrices": json.dumps(matrices)}
+def _header_reserve(meta: Mapping[str, str], names: Sequence[str]) -> int:
+    """Bytes before the data (8-byte length + header), page-rounded: an upper bound on the header
+    of these matrices (<= 4 buffers each, 20-digit numbers, "matrices" escaped inside metadata)."""
+    bound = 4096 + 2 * len(json.dumps(dict(meta))) + sum(6 * len(n) + 600 for n in names)
+    return -(-bound // PAGE) * PAGE
+
+
+def write_packed_file(path: Path, meta: Mapping[str, str], names: Sequence[str],
+                      items: Iterable[tuple[str, object]]) -> Path:
+    """Write packed weights (`items`: (matrix name, PackedWeight), each one of `names`) as they come:
+    buffers are streamed to a uniquely named temp file in the target directory (nothing is held
+    back in memory), the header is written last into the space reserved for it, and the file is
+    renamed into place: readers see the old file or the complete new one, never a partial one."""
     path = Path(path)
+    names = list(names)
+    reserve = _header_reserve(meta, names)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=meta)
+        with os.fdopen(fd, "wb") as f:
+            f.seek(reserve)
+            header: dict = {}
+            matrices: dict[str, list] = {}
+            off = 0
+            for name, pw in items:
+                if name not in names or name in matrices:
+                    raise ValueError(f"unexpected packed matrix {name!r}")
+                matrices[name] = [pw.fmt, pw.n, pw.k]
+                for buf, arr in sorted(pw.buffers().items()):
+                    f.write(memoryview(np.ascontiguousarray(arr)))
+                    header[f"{name}/{buf}"] = {"dtype": "U8", "shape": [arr.nbytes],
+                                               "data_offsets": [off, off + arr.nbytes]}
+                    off += arr.nbytes
+            if set(matrices) != set(names):
+                raise ValueError(f"packed matrices missing: {sorted(set(names) - set(matrices))[:3]}")
+            header["__metadata__"] = {**meta, "matrices": json.dumps(matrices)}
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            if 8 + len(raw) > reserve:  # _header_reserve is an upper bound: a bug if hit
+                raise AssertionError(f"packed file header ({len(raw)} bytes) exceeds its reserve {reserve}")
+            f.seek(0)
+            f.write(struct.pack("<Q", reserve - 8) + raw + b" " * (reserve - 8 - len(raw)))
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a cache directory may be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -108,43 +146,88 @@ def _read_header(path: Path) -> tuple[dict, int]:
         raise DraftFileError(f"{path}: no such draft file") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise DraftFileError(f"{path}: not a qspec draft file (bad header)") from None
+    if not isinstance(header, dict):
+        raise DraftFileError(f"{path}: not a qspec draft file (bad header)")
     return header, 8 + n
 
 
-def load_draft_file(path: Path, model_dir: Path) -> tuple[DraftSpec, dict]:
-    """Memory-maps a draft file; the packed weights borrow the mapping (no copy)."""
+def read_packed_file(path: Path) -> tuple[dict, dict]:
+    """Memory-maps a packed file: (its metadata, {matrix: PackedWeight}); the packed weights
+    borrow the mapping (no copy). DraftFileError when it is not one, of another version or
+    layout, or corrupt (bad header, truncated, buffer sizes not those of the layout)."""
     path = Path(path)
     header, data_start = _read_header(path)
     meta = header.pop("__metadata__", {}) or {}
-    if meta.get("qspec_draft_version") is None:
+    if not isinstance(meta, dict) or meta.get("qspec_draft_version") is None:
         raise DraftFileError(f"{path}: not a qspec draft file (no qspec metadata)")
     if meta["qspec_draft_version"] != str(DRAFT_FILE_VERSION) or \
             meta.get("pack_layout_version") != str(_C.PACK_LAYOUT_VERSION):
         raise DraftFileError(f"{path}: written by another qspec version (draft v{meta['qspec_draft_version']}, "
                              f"layout v{meta.get('pack_layout_version')}; this build reads v{DRAFT_FILE_VERSION}, "
                              f"layout v{_C.PACK_LAYOUT_VERSION}); re-run `qspec quantize`")
-    src = json.loads(meta.get("source", "{}"))
+    try:
+        matrices = json.loads(meta["matrices"])
+        if not isinstance(matrices, dict):
+            raise ValueError("matrices is not a mapping")
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftFileError(f"{path}: invalid draft metadata ({e})") from None
+    size = path.stat().st_size
+    buffers: dict[str, dict[str, tuple[int, int]]] = {name: {} for name in matrices}
+    end = 0
+    for key, info in header.items():
+        name, _, buf = key.rpartition("/")
+        try:
+            lo, hi = info["data_offsets"]
+            ok = name in buffers and info["dtype"] == "U8" and 0 <= lo <= hi <= size - data_start
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise DraftFileError(f"{path}: corrupt draft file (tensor {key})")
+        buffers[name][buf] = (lo, hi)
+        end = max(end, hi)
+    if end != size - data_start:
+        raise DraftFileError(f"{path}: corrupt draft file ({size} bytes, its header says {data_start + end})")
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.empty(0, np.uint8)
+    packed = {}
+    for name, spec in matrices.items():
+        try:
+            fmt, n, k = spec
+            views = {buf: mm[data_start + lo: data_start + hi] for buf, (lo, hi) in buffers[name].items()}
+            packed[name] = _C.PackedWeight.from_buffers(fmt, n, k, views)
+        except (ValueError, TypeError) as e:
+            raise DraftFileError(f"{path}: corrupt draft file ({name}: {e})") from None
+    return meta, packed
+
+
+def packed_file_meta(kind: str, fmt: str, lm_head: str, identity: dict, **extra: str) -> dict[str, str]:
+    return {"qspec_draft_version": str(DRAFT_FILE_VERSION), "pack_layout_version": str(_C.PACK_LAYOUT_VERSION),
+            "kind": kind, "format": fmt, "lm_head": lm_head, "source": json.dumps(identity), **extra}
+
+
+def save_draft_file(path: Path, model_dir: Path, spec: DraftSpec,
+                    packed: Mapping[str, object] | Iterable[tuple[str, object]],
+                    names: Sequence[str] | None = None) -> Path:
+    """Write a draft file: `packed` is {matrix: PackedWeight}, or (matrix, PackedWeight) pairs
+    produced one at a time (then `names` lists them) so that casting never holds the whole draft."""
+    if isinstance(packed, Mapping):
+        names, packed = list(packed), packed.items()
+    meta = packed_file_meta("draft", spec.fmt, spec.lm_head, checkpoint_identity(model_dir))
+    return write_packed_file(path, meta, names, packed)
+
+
+def load_draft_file(path: Path, model_dir: Path) -> tuple[DraftSpec, dict]:
+    """Memory-maps a draft file; the packed weights borrow the mapping (no copy)."""
+    path = Path(path)
+    meta, packed = read_packed_file(path)
+    if meta.get("kind", "draft") != "draft":
+        raise DraftFileError(f"{path}: a qspec weight cache file, not a draft file")
+    try:
+        src = json.loads(meta.get("source", "{}"))
+        spec = DraftSpec(meta["format"], meta.get("lm_head", "bf16"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftFileError(f"{path}: invalid draft metadata ({e})") from None
+    src = src if isinstance(src, dict) else {}
     mine = checkpoint_identity(model_dir)
     if (src.get("weight_bytes"), src.get("config_sha256")) != (mine["weight_bytes"], mine["config_sha256"]):
         raise DraftFileError(f"{path}: made from another checkpoint ({src.get('path')}), not {model_dir}")
-    try:
-        spec = DraftSpec(meta["format"], meta.get("lm_head", "bf16"))
-        matrices = json.loads(meta["matrices"])
-    except (KeyError, ValueError, json.JSONDecodeError) as e:
-        raise DraftFileError(f"{path}: invalid draft metadata ({e})") from None
-    size = path.stat().st_size
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    buffers: dict[str, dict[str, np.ndarray]] = {name: {} for name in matrices}
-    for key, info in header.items():
-        name, _, buf = key.rpartition("/")
-        lo, hi = info["data_offsets"]
-        if name not in buffers or info.get("dtype") != "U8" or not 0 <= lo <= hi <= size - data_start:
-            raise DraftFileError(f"{path}: corrupt draft file (tensor {key})")
-        buffers[name][buf] = mm[data_start + lo: data_start + hi]
-    packed = {}
-    for name, (fmt, n, k) in matrices.items():
-        try:
-            packed[name] = _C.PackedWeight.from_buffers(fmt, n, k, buffers[name])
-        except ValueError as e:
-            raise DraftFileError(f"{path}: corrupt draft file ({name}: {e})") from None
     return spec, packed

@@ -198,12 +198,14 @@ def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None 
 
 def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
-         draft_lm_head: str | None = None) -> Engine:
+         draft_lm_head: str | None = None, cache: bool | None = None) -> Engine:
     """Load a model directory (None = the default SmolLM2-135M-Instruct) into an Engine.
 
     `draft`: "auto" (the measured default format), an MX format name, or None for no draft.
     `draft_file`: a `qspec quantize` file to memory-map instead of casting at load.
     `draft_lm_head`: "bf16" (share the target's LM head) or an MX format for the draft's copy.
+    `cache`: keep the packed target/draft weights in $QSPEC_CACHE/packed and map them on later
+    loads (None = yes unless QSPEC_NO_WEIGHT_CACHE is set; qspec/weight_cache.py).
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, and ValueError for invalid arguments.
     """
@@ -236,7 +238,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
 
         be: Backend = TorchBackend(cfg, weights)
     else:
-        from .native import NativeBackend
+        from .native import native_backend
 
-        be = NativeBackend(cfg, weights, spec, draft_packed)
+        be = native_backend(model_dir, cfg, weights, spec, draft_packed, cache=cache)
     return Engine(model_dir, cfg, tok, be, _eos_ids(model_dir, cfg, tok))

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import _C
 from .config import ModelConfig
-from .draft import DraftSpec, pack_mx_matrix
-from .errors import DraftFileError
+from .draft import DraftSpec, _read_header, pack_mx_matrix
+from .errors import DraftFileError, ModelLoadError
 from .kv_cache import KVCache
-from .loader import ModelWeights
+from .loader import ModelWeights, _weight_files
 from .rope import rope_tables
 
 TARGET, DRAFT = 0, 1
@@ -38,43 +41,145 @@ def fused_layer_matrices(lw) -> dict[str, torch.Tensor]:
     }
 
 
-def cast_draft(weights: ModelWeights, spec: DraftSpec) -> dict:
-    """The draft's packed MX matrices, by direct cast of the target's own BF16 weights."""
-    packed = {}
+def target_names(cfg: ModelConfig) -> list[str]:
+    """The packed target's matrices: every layer's four GEMM operands, then the LM head."""
+    return [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in MATRICES] + ["lm_head"]
+
+
+def draft_names(cfg: ModelConfig, spec: DraftSpec) -> list[str]:
+    return target_names(cfg)[:-1] + (["lm_head"] if spec.lm_head != "bf16" else [])
+
+
+def pack_target(weights: ModelWeights) -> Iterator[tuple[str, object]]:
+    """The target's packed BF16 matrices, one at a time (the names of target_names)."""
     for i, lw in enumerate(weights.layers):
         for k, w in fused_layer_matrices(lw).items():
-            packed[f"layers.{i}.{k}"] = pack_mx_matrix(w, spec.fmt)
+            yield f"layers.{i}.{k}", _C.pack_bf16(bf16_numpy(w))
+    yield "lm_head", _C.pack_bf16(bf16_numpy(weights.lm_head))
+
+
+def cast_draft_matrices(weights: ModelWeights, spec: DraftSpec) -> Iterator[tuple[str, object]]:
+    """The draft's packed MX matrices, one at a time, by direct cast of the target's own BF16 weights."""
+    for i, lw in enumerate(weights.layers):
+        for k, w in fused_layer_matrices(lw).items():
+            yield f"layers.{i}.{k}", pack_mx_matrix(w, spec.fmt)
     if spec.lm_head != "bf16":
-        packed["lm_head"] = pack_mx_matrix(weights.lm_head, spec.lm_head)
-    return packed
+        yield "lm_head", pack_mx_matrix(weights.lm_head, spec.lm_head)
+
+
+def cast_draft(weights: ModelWeights, spec: DraftSpec) -> dict:
+    """The draft's packed MX matrices, by direct cast of the target's own BF16 weights."""
+    return dict(cast_draft_matrices(weights, spec))
+
+
+def _progress(items: Iterable, total: int, desc: str) -> Iterator:
+    """`items` with a progress bar on stderr (when it is a terminal)."""
+    from tqdm import tqdm
+
+    with tqdm(items, total=total, desc=desc, unit="matrix", file=sys.stderr, leave=False,
+              disable=not sys.stderr.isatty()) as bar:
+        yield from bar
+
+
+def map_checkpoint_tensor(model_dir: Path, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Read-only uint16 memory map of a tensor stored as BF16 in the checkpoint (no copy), or None
+    when it is stored in another dtype. The pages are read when used: an embedding lookup
+    touches only the rows of the tokens seen."""
+    for f in _weight_files(model_dir):
+        try:
+            header, start = _read_header(f)
+        except DraftFileError:
+            return None
+        info = header.get(name)
+        if isinstance(info, dict):
+            lo, hi = info["data_offsets"]
+            if info.get("dtype") != "BF16" or tuple(info.get("shape", ())) != shape or hi - lo != 2 * np.prod(shape):
+                return None
+            return np.memmap(f, dtype=np.uint16, mode="r", offset=start + lo, shape=shape)
+    return None
+
+
+def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
+                   draft_packed: dict | None = None, cache: bool | None = None) -> "NativeBackend":
+    """A NativeBackend whose packed target (and draft, unless `draft_packed` comes from a draft
+    file) are memory-mapped from the weight cache (qspec/weight_cache.py) when it has them, else
+    packed/cast here, with a progress bar, and written to the cache for the next load.
+    `cache`: None = on unless QSPEC_NO_WEIGHT_CACHE is set. `backend.load_info` says what happened."""
+    from .weight_cache import WeightCache, cache_enabled, draft_kind
+
+    t0 = time.perf_counter()
+    info: dict = {}
+    wc = WeightCache(model_dir) if cache_enabled(cache) else None
+    estimate = int(wc.identity["weight_bytes"]) if wc is not None else 0
+
+    def get(what: str, kind: str, fmt: str, lm_head: str, names: list[str], make, size: int, desc: str) -> dict:
+        t = time.perf_counter()
+        packed = wc.load(kind, fmt, lm_head) if wc is not None else None
+        info[what] = "cache"
+        if packed is None and wc is not None:
+            packed = wc.store(kind, fmt, lm_head, names, _progress(make(), len(names), desc), size)
+            info[what] = "built+cached"
+        if packed is None:
+            packed = dict(_progress(make(), len(names), desc))
+            info[what] = "built"
+        info[f"{what}_s"] = time.perf_counter() - t
+        return packed
+
+    target = get("target", "target", "bf16", "bf16", target_names(cfg), lambda: pack_target(weights), estimate,
+                 "qspec: packing BF16 weights")
+    if draft is not None and draft_packed is None:
+        draft_packed = get("draft", draft_kind(draft), draft.fmt, draft.lm_head, draft_names(cfg, draft),
+                           lambda: cast_draft_matrices(weights, draft), estimate // 2,
+                           f"qspec: casting the {draft.fmt} draft")
+    elif draft_packed is not None:
+        info["draft"] = "file"
+    embed = map_checkpoint_tensor(model_dir, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    info["embed"] = "mapped" if embed is not None else "copied"
+    be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed)
+    info["load_s"] = time.perf_counter() - t0
+    be.load_info = info
+    return be
 
 
 class NativeBackend:
     """Target (BF16) and optional draft (MX) weight sets over one KV cache."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
-                 draft_packed: dict | None = None):
-        """`draft_packed` (from a draft file) is used as it is; otherwise `draft` is cast here."""
+                 draft_packed: dict | None = None, *, target_packed: dict | None = None,
+                 embed: np.ndarray | None = None):
+        """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight, e.g. mapped
+        from the weight cache or a draft file) are used as they are; otherwise the target is packed
+        and `draft` cast here. `embed`: the BF16 bits of the embedding to borrow (a mapping of the
+        checkpoint); otherwise a private copy of `weights.embed` is made. From `weights` only the
+        norms and biases are read when both packed sets are given."""
         self.cfg = cfg
         self.kv = KVCache(cfg, 0)
-        # the model borrows it; a private copy, so the checkpoint mapping can close after load
-        self._embed = weights.embed.clone()
+        self.load_info: dict = {}
+        # the model borrows it: a mapping of the checkpoint, or a private copy (the checkpoint
+        # mapping of `weights` closes after load)
+        self._embed = embed if embed is not None else bf16_numpy(weights.embed.clone())
         self.model = _C.Model(
             {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
              "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
              "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps},
-            bf16_numpy(self._embed), weights.norm.float().numpy())
+            self._embed, weights.norm.float().numpy())
+        if target_packed is None:
+            target_packed = dict(pack_target(weights))
         self.draft = draft
         self.target_bytes = self.draft_bytes = 0
+        try:
+            for i in range(cfg.n_layers):
+                tgt = [target_packed[f"layers.{i}.{k}"] for k in MATRICES]
+                self.model.set_layer(TARGET, i, *tgt)
+                self.target_bytes += sum(p.nbytes for p in tgt)
+            self.lm_head = target_packed["lm_head"]
+            self.model.set_lm_head(TARGET, self.lm_head)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"packed target weights do not match this model ({e})") from None
+        self.target_bytes += self.lm_head.nbytes
         for i, lw in enumerate(weights.layers):
-            tgt = {k: _C.pack_bf16(bf16_numpy(v)) for k, v in fused_layer_matrices(lw).items()}
-            self.model.set_layer(TARGET, i, *(tgt[k] for k in MATRICES))
-            self.target_bytes += sum(p.nbytes for p in tgt.values())
             bqkv = None if lw.bq is None else torch.cat([lw.bq, lw.bk, lw.bv]).float().numpy()
             self.model.set_layer_norms(i, lw.attn_norm.float().numpy(), lw.mlp_norm.float().numpy(), bqkv)
-        self.lm_head = _C.pack_bf16(bf16_numpy(weights.lm_head))
-        self.target_bytes += self.lm_head.nbytes
-        self.model.set_lm_head(TARGET, self.lm_head)
         packed_draft = {}
         if draft is not None:
             packed_draft = draft_packed if draft_packed is not None else cast_draft(weights, draft)

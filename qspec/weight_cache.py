@@ -1,0 +1,132 @@
+"""Packed-weight cache: a checkpoint's kernel-ready weights, packed once, memory-mapped afterwards.
+
+Packing the BF16 weights for the kernels and casting the MX draft take most of a load (tens of
+seconds for a 1.5B model); their result depends only on the checkpoint, the formats and the
+packed layout (not on the CPU's ISA level: every GEMM path reads the same layout, csrc/gemm.h).
+So the first load writes it to `$QSPEC_CACHE/packed/` (default ~/.cache/qspec/packed) and later
+loads map it zero-copy, as a `qspec quantize` draft file is mapped.
+
+Files: `<model dir name>-<sha256(resolved model dir)[:16]>.<kind>.qspec.safetensors`, kind
+"target" (BF16: each layer's four matrices and the LM head) or "draft-<format>-<LM head format>"
+(a draft file, exactly what `qspec quantize` writes). Both are packed files (qspec/draft.py).
+A file is used only if its metadata matches this build and this checkpoint: cache version,
+packed-file version, PACK_LAYOUT_VERSION, kind and formats, and the checkpoint identity (model
+path, each weight file's size and mtime, config.json SHA-256). Anything else (no file, another
+version, a changed checkpoint, a corrupt or truncated file) rebuilds it under the same name.
+
+Writes stream to a uniquely named temp file in the cache directory and are renamed into place
+(concurrent writers each write their own; the last rename wins, every version is complete).
+A cache directory that cannot be written (or lacks the space) degrades to packing in memory with
+a one-line warning. Each write also removes cache files whose model directory no longer exists
+and temp files abandoned for an hour. Disable with `qspec.load(..., cache=False)` or
+QSPEC_NO_WEIGHT_CACHE=1; deleting the directory is always safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from .draft import DraftSpec, _read_header, checkpoint_identity, packed_file_meta, read_packed_file, \
+    write_packed_file
+from .errors import DraftFileError
+
+CACHE_VERSION = 1
+DISABLE_ENV = "QSPEC_NO_WEIGHT_CACHE"
+SUFFIX = ".qspec.safetensors"
+STALE_TEMP_S = 3600.0      # a temp file not written to for this long belongs to a dead writer
+FREE_MARGIN = 1 << 30      # leave this much disk free after writing a cache file
+
+
+def cache_enabled(cache: bool | None = None) -> bool:
+    """`cache` when given, else on unless QSPEC_NO_WEIGHT_CACHE is set (to anything but 0/false/no)."""
+    if cache is not None:
+        return bool(cache)
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("", "0", "false", "no")
+
+
+def cache_dir() -> Path:
+    from .default_model import cache_root
+
+    return cache_root() / "packed"
+
+
+def draft_kind(spec: DraftSpec) -> str:
+    return f"draft-{spec.fmt}-{spec.lm_head}"
+
+
+def warn(msg: str) -> None:
+    print(f"qspec: warning: {msg}", file=sys.stderr)
+
+
+class WeightCache:
+    """The cache files of one checkpoint (its identity is taken once, when this is created)."""
+
+    def __init__(self, model_dir: Path, directory: Path | None = None):
+        self.dir = directory if directory is not None else cache_dir()
+        self.identity = checkpoint_identity(model_dir)
+        where = hashlib.sha256(self.identity["path"].encode()).hexdigest()[:16]
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.identity["path"]).name)[:64] or "model"
+        self.stem = f"{name}-{where}"
+        self.disabled: str | None = None  # why the cache cannot be written (warned once)
+
+    def path(self, kind: str) -> Path:
+        return self.dir / f"{self.stem}.{kind}{SUFFIX}"
+
+    def load(self, kind: str, fmt: str, lm_head: str) -> dict | None:
+        """{matrix: PackedWeight} mapped from the cache file, or None when it has no valid one."""
+        try:
+            meta, packed = read_packed_file(self.path(kind))
+            source = json.loads(meta.get("source", "null"))
+        except (DraftFileError, OSError, ValueError):  # missing, unreadable, corrupt, other layout
+            return None
+        if (meta.get("qspec_cache_version"), meta.get("kind"), meta.get("format"), meta.get("lm_head"),
+                source) != (str(CACHE_VERSION), kind, fmt, lm_head, self.identity):
+            return None
+        return packed
+
+    def store(self, kind: str, fmt: str, lm_head: str, names: Sequence[str],
+              items: Iterable[tuple[str, object]], size_estimate: int) -> dict | None:
+        """Stream `items` into the cache file of `kind` and map it; None (after one warning line
+        per load) when it cannot be written: the caller then packs in memory."""
+        if self.disabled is None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._prune()
+                free = shutil.disk_usage(self.dir).free
+                if free < size_estimate + FREE_MARGIN:
+                    self.disabled = (f"{free / 2**30:.1f} GiB free in {self.dir}, "
+                                     f"~{(size_estimate + FREE_MARGIN) / 2**30:.1f} GiB wanted")
+                else:
+                    meta = packed_file_meta(kind, fmt, lm_head, self.identity,
+                                            qspec_cache_version=str(CACHE_VERSION))
+                    write_packed_file(self.path(kind), meta, names, items)
+                    return self.load(kind, fmt, lm_head)
+            except OSError as e:
+                self.disabled = f"{getattr(e, 'filename', None) or self.dir}: {e.strerror or e}"
+            warn(f"weight cache not written ({self.disabled}); packing in memory, as with "
+                 f"{DISABLE_ENV}=1")
+        return None
+
+    def _prune(self) -> None:
+        """Remove cache files of model directories that are gone and abandoned temp files."""
+        now = time.time()
+        for f in self.dir.iterdir():
+            try:
+                if f.name.startswith(".") and f.name.endswith(".tmp") and SUFFIX in f.name:
+                    if now - f.stat().st_mtime > STALE_TEMP_S:
+                        f.unlink()
+                elif f.name.endswith(SUFFIX):
+                    header, _ = _read_header(f)
+                    src = json.loads((header.get("__metadata__") or {}).get("source", "null"))
+                    if isinstance(src, dict) and src.get("path") and not Path(src["path"]).exists():
+                        f.unlink()
+            except (OSError, DraftFileError, ValueError, AttributeError):
+                continue
