@@ -1,4 +1,4 @@
-"""End to end: plain BF16 vs speculative decoding in one run (BENCH.md rule 5):
+"""End to end: plain BF16 vs speculative decoding in one run (docs/benchmarking.md rule 5):
 `qspec bench e2e [--model NAME|DIR] [--prompt-file F] [--threads N] [--quick] [--json PATH] [--plot PATH]
 [--drafts ...] [--ks ...]` (or `python -m bench.e2e ...` from a development install).
 A setting in --ks is K (1..32), "auto", or either with "@P" for draft_p_min = P (e.g.
@@ -11,7 +11,7 @@ with like. Per setting: tokens/s (median over prompts of per-prompt tok/s), spee
 per-prompt ratios to plain, acceptance (accepted / drafted), tau (tokens per verify step), and
 the cost ratios measured directly at a fixed context: c = draft step / target step and
 v(K) = verify of K+1 rows / target step. For a fixed K, two bounds put the measured speedup in
-context: model = tau / (K c + v(K)) (BENCH.md: what the measured step costs allow, before host
+context: model = tau / (K c + v(K)) (docs/benchmarking.md: what the measured step costs allow, before host
 overhead) and ceiling = tau / (K r + 1) with r = draft bytes / target bytes (what the same
 acceptance would give if every pass ran at the memory-bandwidth floor). Synthetic-weight
 Llama-3.2-1B shapes: c and v(K) only (speed, never acceptance). Peak RSS of plain vs speculative comes from separate processes.

@@ -42,7 +42,7 @@ def step_costs(be, ks: list[int], context: int, reps: int, time_fn) -> dict:
     """Seconds of one target step (M=1), one draft step, and verify of K+1 rows, at `context`.
 
     The cache holds `context` positions of arbitrary (but finite) rows first; timing is
-    interleaved per repetition (BENCH.md rule 1)."""
+    interleaved per repetition (docs/benchmarking.md rule 1)."""
     kmax = max(ks, default=0)
     be.kv.ensure_capacity(context + kmax + 2)
     rng = np.random.default_rng(0)

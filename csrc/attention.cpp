@@ -8,7 +8,7 @@
 //   2. e_j = exp(s_j - max_j s_j),  sum = Σ e_j
 //   3. out = (Σ e_j · V_j) / sum
 // The order of every reduction depends only on p, so row i is bit-identical for any m, any
-// content of the other rows and any thread count (DESIGN.md invariant 2). The fast paths run
+// content of the other rows and any thread count (docs/architecture.md invariant 2). The fast paths run
 // the passes for all (row, head) pairs of one KV head together, block by block, so each K/V block
 // is read and converted once per call rather than once per pair, and per fixed 256-key segment
 // (positions counted from key 0), merging a row's segments in order afterwards (attention.h).

@@ -1,10 +1,10 @@
 // Causal attention for decode / verify / prefill over the one shared KV cache.
 //
-// Cache layout (DESIGN.md): [layers][2][max_seq][kv_heads][head_dim] BF16 bits (uint16),
+// Cache layout (docs/architecture.md): [layers][2][max_seq][kv_heads][head_dim] BF16 bits (uint16),
 // K at index 0, V at index 1. Query row i sits at position start_pos + i and attends keys
 // 0 .. start_pos + i (causal); the caller has already written K/V for every such position.
 //
-// Batch invariance (DESIGN.md invariant 2): the output of query row i is bit-identical
+// Batch invariance (docs/architecture.md invariant 2): the output of query row i is bit-identical
 // whatever m is, whatever the other rows hold and whatever the thread count.
 #pragma once
 #include <cstdint>

@@ -1,6 +1,6 @@
 // GEMM y[M,N] = x[M,K] · W[N,K]^T with weights packed once at load (BF16 or MX).
 //
-// Contract every path keeps (DESIGN.md invariant 2, batch invariance): y[i, n] is computed
+// Contract every path keeps (docs/architecture.md invariant 2, batch invariance): y[i, n] is computed
 // with the same instructions in the same order whatever M is and whatever the other rows of
 // x hold, and whatever the thread count (threads split N only; K is never split).
 //

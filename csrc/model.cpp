@@ -5,7 +5,7 @@
 // -> RMSNorm -> gate|up GEMM -> SiLU*up -> down GEMM] x L -> RMSNorm -> LM head.
 // Two weight sets share everything but the GEMM weights: "target" (BF16) and "draft" (MX).
 // Every step works row by row in a fixed order, so each row's result is independent of M
-// (DESIGN.md invariant 2) as long as the GEMM and attention kernels are.
+// (docs/architecture.md invariant 2) as long as the GEMM and attention kernels are.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -1,12 +1,12 @@
 // MX direct cast (OCP Microscaling Formats v1.0 conversion; Rouhani et al. 2023, arXiv
-// 2310.10537, Algorithm 1; the rules as qspec reads them are /work/shared/MX.md) and its exact inverse, plus the pybind11 bindings `_C.mx_quantize` /
+// 2310.10537, Algorithm 1; the rules as qspec reads them are docs/mx.md) and its exact inverse, plus the pybind11 bindings `_C.mx_quantize` /
 // `_C.mx_dequantize`.
 //
 // The cast is done in integer arithmetic on the FP32 bit patterns, so it is exact and does not
 // depend on the floating-point environment (rounding mode, FTZ/DAZ): the readable oracle is
 // qspec/mx.py (impl="reference") and the two agree bit for bit (tests/test_mx.py).
 //
-// qspec choices where the spec leaves one (see /work/shared/MX.md, marked **qspec**):
+// qspec choices where the spec leaves one (see docs/mx.md, marked **qspec**):
 // - ties round to even;
 // - a block holding NaN or ±Inf gets the NaN scale 0xFF and all-zero codes;
 // - a block whose max |V| is zero or an FP32 subnormal gets scale 0x00 and all-zero codes;

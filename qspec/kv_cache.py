@@ -1,6 +1,6 @@
 """The one KV cache of a model: [layers][2][max_seq][kv_heads][head_dim], position-indexed.
 
-Target and draft share it (DESIGN.md): the committed prefix is always target-written, draft
+Target and draft share it (docs/architecture.md): the committed prefix is always target-written, draft
 steps write provisional rows after it, verify overwrites them; rejection = moving `length` back.
 """
 

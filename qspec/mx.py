@@ -3,7 +3,7 @@
 A tensor is cast along its last dimension in blocks of 32 elements; each block shares one E8M0
 scale X = 2^shared_exp and stores one element code per value: V_i ~= X * P_i. The rules are the
 direct cast of the spec (Rouhani et al. 2023, arXiv 2310.10537, Algorithm 1), as written down
-in /work/shared/MX.md:
+in docs/mx.md:
 
 1. shared_exp = floor(log2(max_i |V_i|)) - emax_elem, clamped to the E8M0 range
    (above 127 -> NaN scale 0xFF; below -127 -> -127);

@@ -1,6 +1,6 @@
 """Self-speculative decoding: draft K tokens with the MX weights, verify them in ONE BF16 pass.
 
-Both passes share one KV cache (DESIGN.md). A step, at committed length L with `tok` (the last
+Both passes share one KV cache (docs/architecture.md). A step, at committed length L with `tok` (the last
 emitted token, not yet in the cache):
   1. draft:  for j < K: forward([prev], L + j, draft weights) -> d_{j+1}; writes provisional K/V
   2. verify: forward([tok, d1..dK], L, target weights) -> K+1 rows of logits; overwrites L..L+K
@@ -48,7 +48,7 @@ class DraftParams:
 
 
 class CostModel:
-    """Chooses K to maximise expected tokens per second (BENCH.md: speedup = tau / (K c + v(K))).
+    """Chooses K to maximise expected tokens per second (docs/benchmarking.md: speedup = tau / (K c + v(K))).
 
     Everything is measured in this run, in seconds: t_d (one draft step) and t_v(M) (one
     M-row verify; a least-squares line through the row counts seen so far), and the per-token

@@ -137,7 +137,7 @@ def test_paths_and_dispatch():
         assert "avx2" in paths
     if not info["features"]["avx512f"] and not info["isa_emulation"]:
         assert not {"avx512", "avx512_bf16", "amx"} & set(paths)
-    # decode / verify range: one path whatever M (DESIGN.md invariant 2)
+    # decode / verify range: one path whatever M (docs/architecture.md invariant 2)
     for fmt in ["bf16", "mxfp4", "mxfp8_e4m3"]:
         w = pw if fmt == "bf16" else _C.pack_mx(fmt, np.zeros((16, 32), np.uint8), np.zeros((16, 1), np.uint8), 32)
         chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}

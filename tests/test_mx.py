@@ -1,4 +1,4 @@
-"""MX codecs against OCP MX v1.0 (rules as written in /work/shared/MX.md).
+"""MX codecs against OCP MX v1.0 (rules as written in docs/mx.md).
 
 Both implementations are tested: `impl="reference"` (float64 torch, reads like the spec) and
 `impl="native"` (`_C.mx_quantize`, integer arithmetic); they must agree bit for bit.

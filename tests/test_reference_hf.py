@@ -11,7 +11,7 @@ import torch
 import qspec
 
 LOGITS_ATOL_TORCH = 1e-4   # FP32 math, FP32 KV: the same op order as transformers (measured: 0)
-LOGITS_ATOL_NATIVE = 0.15  # FP32 math, BF16 KV cache (DESIGN.md): K/V rounded to 8 bits (measured <= 0.10)
+LOGITS_ATOL_NATIVE = 0.15  # FP32 math, BF16 KV cache (docs/architecture.md): K/V rounded to 8 bits (measured <= 0.10)
 # The avx512_bf16 and amx GEMM paths also round activations to BF16 (csrc/gemm.h); measured
 # <= 0.24 on the six prompts (tests/test_isa_emulation.py runs this file on those levels).
 LOGITS_ATOL_NATIVE_BF16_ACT = 0.3

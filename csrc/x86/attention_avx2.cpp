@@ -28,7 +28,7 @@
 // over the segment's keys (Σ's partial sums start at the segment start), and a pair with more
 // than one segment leaves {max, Σ, unnormalized V sums} for the driver's in-order merge. So a pair's
 // result depends only on its own q and p — not on m, the other rows, how the driver grouped
-// pairs, which path the call took, or the thread count (DESIGN.md invariant 2).
+// pairs, which path the call took, or the thread count (docs/architecture.md invariant 2).
 #include <immintrin.h>
 
 #include "vec_avx2.h"
