@@ -48,8 +48,9 @@ def model_parser(prompts: bool = True) -> argparse.ArgumentParser:
     return p
 
 
-def dev_prompts(path: str | None = None) -> list[str]:
-    """The "prompt" field of each JSON line of `path` (default: the shipped dev set)."""
+def dev_prompts(path: str | None = None, n: int | None = None) -> list[str]:
+    """The "prompt" field of each JSON line of `path` (default: the shipped dev set); with `n`,
+    n of them spread evenly over the file, so that a subset still covers every category."""
     p = Path(path) if path else DEV_PROMPTS
     try:
         lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -60,6 +61,8 @@ def dev_prompts(path: str | None = None) -> list[str]:
         raise ValueError(f"prompt file {p}: not JSON lines with a 'prompt' field ({e})") from None
     if not prompts or not all(isinstance(x, str) and x for x in prompts):
         raise ValueError(f"prompt file {p}: needs at least one non-empty 'prompt' string per line")
+    if n is not None and n < len(prompts):
+        prompts = [prompts[i * len(prompts) // n] for i in range(n)]
     return prompts
 
 

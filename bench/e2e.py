@@ -56,7 +56,7 @@ def cost_ratios(be, ks: list[int], context: int, reps: int) -> dict:
 
 
 def real_model(args, ctx, out: JsonWriter) -> list[dict]:
-    prompts = dev_prompts(args.prompt_file)[: 4 if args.quick else args.prompts]
+    prompts = dev_prompts(args.prompt_file, 4 if args.quick else args.prompts)
     n_new = 64 if args.quick else args.max_new
     rows = []
     for dspec in args.drafts:
