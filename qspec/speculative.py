@@ -51,18 +51,24 @@ class CostModel:
     """Chooses K to maximise expected tokens per second (docs/benchmarking.md: speedup = tau / (K c + v(K))).
 
     Everything is measured in this run, in seconds: t_d (one draft step) and t_v(M) (one
-    M-row verify; a least-squares line through the row counts seen so far), and the per-token
-    acceptance a (each drafted token up to the first mismatch is one trial; decayed counts).
-    tau(K) = (1 - a^(K+1)) / (1 - a); the K with the highest tau(K) / (K t_d + t_v(K+1)) wins.
-    The first steps try a few K values so that t_v has points to fit.
+    M-row verify; a least-squares line through the row counts seen so far), and the acceptance
+    of each draft position j given that positions 1..j-1 were accepted, a_j (decayed counts;
+    a position not tried yet takes the estimate of the one before it). Acceptance is bursty —
+    a draft that got j tokens right is in an easy stretch and likely to get the next one too —
+    so a_j grows with j, and one pooled per-token rate would under-rate long drafts.
+    tau(K) = 1 + sum_{k<=K} prod_{j<=k} a_j; the K with the highest tau(K) / (K t_d + t_v(K+1))
+    wins. The first steps try a few K values so that t_v has points to fit.
     """
 
     DECAY = 0.97  # ~30-step memory: acceptance drifts with the text being written
+    PRIOR = 2.0   # trials' worth of weight each a_j takes from the position before it
 
     def __init__(self, byte_ratio: float, k_max: int, k_min: int):
         self.k_min, self.k_max = k_min, k_max
         self.byte_ratio = byte_ratio
-        self.hits, self.trials = 7.0, 10.0  # prior a = 0.7, worth ten trials
+        self.hits, self.trials = 7.0, 10.0  # pooled: prior a = 0.7, worth ten trials
+        self.pos_hits = [0.0] * k_max      # per draft position j (index j - 1)
+        self.pos_trials = [0.0] * k_max
         self.t_draft: float | None = None
         self.t_verify: dict[int, float] = {}  # rows M -> seconds (EMA)
         self._explore = [k for k in (1, 2, 4, 3) if k_min <= k <= k_max] or [k_min]
@@ -75,8 +81,20 @@ class CostModel:
         if drafted:
             self.hits = self.DECAY * self.hits + accepted
             self.trials = self.DECAY * self.trials + accepted + (accepted < drafted)
+            for j in range(self.k_max):  # positions 1..accepted hit, accepted+1 missed (if drafted)
+                tried = j < min(accepted + 1, drafted)
+                self.pos_hits[j] = self.DECAY * self.pos_hits[j] + (j < accepted)
+                self.pos_trials[j] = self.DECAY * self.pos_trials[j] + tried
             self.t_draft = self._ema(self.t_draft, draft_s / drafted)
         self.t_verify[drafted + 1] = self._ema(self.t_verify.get(drafted + 1), verify_s)
+
+    def acceptance(self) -> list[float]:
+        """a_j for j = 1..k_max: each shrunk toward the one before it (a_1 toward the pooled rate)."""
+        out, prev = [], self.hits / self.trials
+        for h, t in zip(self.pos_hits, self.pos_trials):
+            prev = min(max((h + self.PRIOR * prev) / (t + self.PRIOR), 0.0), 0.995)
+            out.append(prev)
+        return out
 
     def verify_seconds(self, m: int) -> float:
         pts = sorted(self.t_verify.items())
@@ -95,14 +113,16 @@ class CostModel:
     def choose(self) -> int:
         if self._explore or not self.t_verify:
             return self._explore.pop(0) if self._explore else self.k_min
-        a = min(max(self.hits / self.trials, 0.0), 0.995)
         t_d = self.t_draft if self.t_draft is not None else self.byte_ratio * self.verify_seconds(1)
         best_k, best = self.k_min, -1.0
-        for k in range(self.k_min, self.k_max + 1):
-            tau = (1 - a ** (k + 1)) / (1 - a)
-            rate = tau / (k * t_d + self.verify_seconds(k + 1))
-            if rate > best:
-                best_k, best = k, rate
+        tau, reach = 1.0, 1.0
+        for k, a in enumerate(self.acceptance(), start=1):
+            reach *= a  # P(the first k drafts are all accepted)
+            tau += reach
+            if k >= self.k_min:
+                rate = tau / (k * t_d + self.verify_seconds(k + 1))
+                if rate > best:
+                    best_k, best = k, rate
         return best_k
 
 

@@ -109,6 +109,42 @@ def test_speculative_sampling_is_seeded(default_model_dir, k):
     assert a.tokens == b.tokens and a.stats["drafted"] > 0
 
 
+def test_cost_model_sees_bursty_acceptance():
+    """Acceptance comes in stretches (easy text: nearly every draft right; hard: most wrong).
+    The chosen K must reach within 5% of the best fixed K's true rate, where one pooled
+    per-token rate picks K = 1 here (8% below the best)."""
+    import random
+
+    from qspec.speculative import CostModel
+
+    t_draft, verify = 0.3, (lambda m: 1.0 + 0.02 * (m - 1))
+
+    def run_length(rng, easy: bool, k: int) -> int:
+        a = 0.97 if easy else 0.3
+        n = 0
+        while n < k and rng.random() < a:
+            n += 1
+        return n
+
+    def true_rate(k: int, easy_share: float = 0.5) -> float:
+        tau = sum(share * (1 + sum(a ** j for j in range(1, k + 1)))
+                  for share, a in ((easy_share, 0.97), (1 - easy_share, 0.3)))
+        return tau / (k * t_draft + verify(k + 1))
+
+    rng = random.Random(0)
+    cm = CostModel(byte_ratio=0.3, k_max=16, k_min=1)
+    easy, chosen = True, []
+    for step in range(400):
+        if rng.random() < 0.05:  # stretches of ~20 steps
+            easy = not easy
+        k = cm.choose()
+        chosen.append(k)
+        cm.observe(k, run_length(rng, easy, k), k * t_draft, verify(k + 1))
+    best = max(true_rate(k) for k in range(1, 17))
+    late = sorted(chosen[100:])
+    assert true_rate(late[len(late) // 2]) >= 0.95 * best, (late[len(late) // 2], best)
+
+
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     from scipy.stats import chisquare
 
