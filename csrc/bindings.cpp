@@ -72,4 +72,5 @@ PYBIND11_MODULE(_C, m) {
   bind_gemm(m);
   bind_attention(m);
   bind_model(m);
+  bind_membw(m);
 }

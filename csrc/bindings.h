@@ -7,4 +7,5 @@ void bind_mx(pybind11::module_& m);     // mx.cpp
 void bind_gemm(pybind11::module_& m);   // gemm.cpp
 void bind_attention(pybind11::module_& m);  // attention.cpp
 void bind_model(pybind11::module_& m);  // model.cpp
+void bind_membw(pybind11::module_& m);  // membw.cpp (read-bandwidth probe for bench/)
 }  // namespace qspec

@@ -3,8 +3,6 @@
 // Layouts and the arithmetic every path performs are described in gemm.h.
 #include "gemm.h"
 
-#include <emmintrin.h>  // SSE2 (x86-64 baseline): the read-bandwidth probe
-#include <xmmintrin.h>
 #include <omp.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -12,7 +10,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -465,55 +462,6 @@ void gemm(const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Read-bandwidth probe for bench/: sums a buffer with plain SSE2 loads, threads split it.
-// Each thread reads its range as 4 interleaved streams of 64 KB chunks with a software prefetch
-// 1 KB ahead: the access pattern of the GEMM kernels (several row blocks at once). One stream
-// without prefetch under-measures a Zen 3 core by ~30% (15 vs 21 GB/s), which would flatter
-// every "% of bandwidth" figure.
-
-namespace {
-
-std::vector<double> read_bandwidth_probe(int64_t nbytes, int reps, int threads) {
-  if (nbytes < (1 << 20) || reps < 1) throw std::invalid_argument("read_bandwidth_probe: nbytes >= 1 MiB, reps >= 1");
-  if (threads < 1) threads = omp_get_max_threads();
-  constexpr int64_t kChunk = 4096;  // 16-byte vectors per stream chunk (64 KB)
-  constexpr int kStreams = 4;
-  const int64_t nsuper = nbytes / (16 * kChunk * kStreams);
-  const int64_t nvec = nsuper * kChunk * kStreams;
-  __m128i* buf = static_cast<__m128i*>(std::aligned_alloc(64, size_t(nvec) * 16));
-  if (!buf) throw std::runtime_error("read_bandwidth_probe: out of memory");
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t sc = 0; sc < nsuper; ++sc)  // first touch by the thread that reads it
-    for (int64_t i = 0; i < kChunk * kStreams; ++i) buf[sc * kChunk * kStreams + i] = _mm_set1_epi32(int(i));
-  std::vector<double> secs;
-  volatile int64_t sink = 0;
-  for (int r = 0; r < reps; ++r) {
-    int64_t total = 0;
-    auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
-    for (int64_t sc = 0; sc < nsuper; ++sc) {
-      const __m128i* base = buf + sc * kChunk * kStreams;
-      __m128i s = _mm_setzero_si128();
-      for (int64_t i = 0; i < kChunk; i += 4)
-        for (int j = 0; j < kStreams; ++j) {
-          const __m128i* p = base + j * kChunk + i;
-          _mm_prefetch(reinterpret_cast<const char*>(p + 64), _MM_HINT_T0);
-          s = _mm_add_epi64(s, _mm_add_epi64(_mm_add_epi64(_mm_load_si128(p), _mm_load_si128(p + 1)),
-                                             _mm_add_epi64(_mm_load_si128(p + 2), _mm_load_si128(p + 3))));
-        }
-      total += _mm_cvtsi128_si64(s);
-    }
-    auto t1 = std::chrono::steady_clock::now();
-    sink = sink + total;
-    secs.push_back(std::chrono::duration<double>(t1 - t0).count());
-  }
-  std::free(buf);
-  return secs;
-}
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
 // Bindings
 
 namespace py = pybind11;
@@ -661,13 +609,6 @@ void bind_gemm(py::module_& m) {
   m.def("gemm_choose", [](const PackedWeight& w, int64_t mrows) {
     return std::string(gemm_path_name(gemm_choose(w, mrows)));
   }, py::arg("w"), py::arg("m"), "The path the dispatcher takes for this weight and M");
-
-  m.def("read_bandwidth_probe", [](int64_t nbytes, int reps, int threads) {
-    py::gil_scoped_release nogil;
-    return read_bandwidth_probe(nbytes, reps, threads);
-  }, py::arg("nbytes"), py::arg("reps") = 5, py::arg("threads") = 0,
-     "Seconds per pass of a threaded streaming read of nbytes (SSE2 loads, 4 streams per thread, "
-     "software prefetch); threads 0 = all");
 }
 
 }  // namespace qspec
