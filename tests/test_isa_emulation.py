@@ -40,7 +40,7 @@ sys.exit(pytest.main(sys.argv[1:]))
 FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py",
         "test_speculative.py::test_greedy_lossless_subset[mxfp6_e2m3]"]
 FULL = ["test_gemm.py", "test_attention.py", "test_native_model.py", "test_speculative.py",
-        "test_reference_hf.py"]
+        "test_reference_hf.py", "test_membw.py"]
 
 
 def _build() -> Path:
