@@ -1,9 +1,10 @@
-"""Shared benchmark plumbing (BENCH.md): header, timing, JSON lines, measured read bandwidth.
+"""Shared benchmark plumbing (BENCH.md): header, timing, JSON lines, the bandwidth floor.
 
 Every bench module builds its CLI from `parent_parser()` (--threads/--json/--plot/--quick; those
 that run a model add `model_parser()`: --model NAME|DIR, --prompt-file), calls `setup(args)` +
-`print_header(args)`, times with `time_fn` / `time_interleaved`, and
-writes one JSON line per case with `JsonWriter` (header context is added to every line).
+`print_header(args)`, times with `time_fn` / `time_interleaved` (or, against the memory
+bandwidth, `FloorMeter`: probe, work, probe, work, ...), and writes one JSON line per case with
+`JsonWriter` (header context is added to every line).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 from qspec import _C
 
@@ -210,18 +213,147 @@ class JsonWriter:
         self.close()
 
 
-_BW_CACHE: dict[tuple[int, int], float] = {}
+# ---------------------------------------------------------------------------------------------
+# The bandwidth floor (BENCH.md rule 4): measured beside what it bounds, never once per run.
+
+REF_SHAPE = (8192, 2048)  # default reference GEMV (N, K): Llama-3.2-1B gate/up, BF16, 33.5 MB
 
 
-def measure_bandwidth(threads: int, nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Streaming read bandwidth in GB/s (1e9 B/s) with `threads` threads: the median pass of a
-    native SSE2 sum over a buffer far larger than the caches (_C.read_bandwidth_probe).
-    Cached per (threads, nbytes) within the process."""
-    key = (threads, nbytes)
-    if key not in _BW_CACHE:
-        secs = _C.read_bandwidth_probe(nbytes, reps, threads)
-        _BW_CACHE[key] = nbytes / statistics.median(secs) / 1e9
-    return _BW_CACHE[key]
+def llc_bytes() -> int:
+    """The last-level cache of cpu0 (sysfs), 32 MiB when unknown."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip()
+            best = max(best, int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0))
+        except (OSError, ValueError):
+            pass
+    return best or 32 << 20
+
+
+def copies_of(pw, nbytes: int) -> list:
+    """The packed weight plus copies until they span nbytes (defeats the LLC)."""
+    ws = [pw]
+    while len(ws) * pw.nbytes < nbytes:
+        ws.append(_C.PackedWeight.from_buffers(pw.fmt, pw.n, pw.k,
+                                               {k: np.array(v) for k, v in pw.buffers().items()}))
+    return ws
+
+
+class Rotating:
+    """Calls fn(item) cycling through items: one call of the benchmark."""
+
+    def __init__(self, items, fn):
+        self.items, self.fn, self.i = items, fn, 0
+
+    def __call__(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.fn(self.items[self.i])
+
+
+def spread(values) -> dict:
+    """median, min, max and quartiles (q1, q3) of a list of numbers."""
+    v = sorted(values)
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+    return {"median": statistics.median(v), "min": v[0], "max": v[-1], "q1": q[0], "q3": q[2], "n": len(v)}
+
+
+def fmt_spread(d: dict, unit: str = "") -> str:
+    return f"{d['median']:.1f}{unit} [{d['min']:.1f}..{d['max']:.1f}, IQR {d['q1']:.1f}..{d['q3']:.1f}, n={d['n']}]"
+
+
+@dataclass
+class Pair:
+    """One timed piece of work and the floor measured around it (the samples before and after)."""
+    seconds: float
+    result: object      # what the work returned
+    probe_gbps: float   # read probe: mean of the two samples around the work
+    kernel_gbps: float  # reference GEMV on a DRAM-resident matrix: mean of the two samples
+
+    def floor_gbps(self, *kernel_rates: float) -> float:
+        """The floor for this work: the best of the probe, the reference GEMV and any kernel
+        streaming rate reached in the same window on a DRAM-resident matrix (kernel_rates)."""
+        return max(self.probe_gbps, self.kernel_gbps, *kernel_rates)
+
+
+class FloorMeter:
+    """The memory-bandwidth floor, measured interleaved with the work it bounds.
+
+    The bandwidth of a shared VM moves by up to 2x within minutes, so one measurement at the start
+    of a run means little. A sample = the native read probe (_C.ReadProbe: the widest loads the
+    selected ISA level allows, several streams per thread, a buffer of 8x the LLC; best of
+    `passes`) + one rotation of a BF16 GEMV over a DRAM-resident matrix (`ref`: the model's
+    largest, or REF_SHAPE synthetic; copies until they span 3x the LLC). `interleave` runs
+    sample, work, sample, work, ..., sample and pairs each work with the mean of the samples
+    around it; its floor is the best of the probe, the GEMV and any kernel rate of that window
+    (Pair.floor_gbps), so a kernel that outruns the probe raises the floor instead of showing
+    more than 100%."""
+
+    def __init__(self, threads: int, ref=None, *, probe_bytes: int | None = None, passes: int = 2):
+        llc = llc_bytes()
+        self.threads, self.passes = threads, passes
+        self.probe = _C.ReadProbe(probe_bytes or 8 * llc, threads)
+        if ref is None:
+            n, k = REF_SHAPE
+            rng = np.random.default_rng(0)
+            bits = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).view(np.uint32)
+            ref = _C.pack_bf16(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16))
+        self.ref = copies_of(ref, 3 * llc)
+        self.ref_bytes = sum(w.nbytes for w in self.ref)
+        self._x = np.full((1, ref.k), 0.01, np.float32)
+        self._y = np.empty((1, ref.n), np.float32)
+        self.sample()  # warm-up: page faults, thread pool
+
+    def sample(self) -> tuple[float, float]:
+        """(probe GB/s, reference GEMV GB/s) now."""
+        probe = self.probe.nbytes / min(self.probe.run(self.passes)) / 1e9
+        t0 = time.perf_counter()
+        for w in self.ref:
+            _C.gemm(w, self._x, self._y)
+        return probe, self.ref_bytes / (time.perf_counter() - t0) / 1e9
+
+    def interleave(self, steps):
+        """sample, step(), sample, step(), ..., sample: yields one Pair per step."""
+        before = self.sample()
+        for step in steps:
+            t0 = time.perf_counter()
+            out = step()
+            dt = time.perf_counter() - t0
+            after = self.sample()
+            yield Pair(dt, out, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+            before = after
+
+    def time_interleaved(self, fns: dict, warmup: int = 2, reps: int = 10) -> dict[str, Stats]:
+        """time_interleaved (A B C, A B C, ...) with a floor sample between the rounds; the
+        pairs (result = {name: seconds}) are kept in self.pairs."""
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+
+        def one_round():
+            ts = {}
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                ts[name] = time.perf_counter() - t0
+            return ts
+
+        self.pairs = list(self.interleave(one_round for _ in range(reps)))
+        return {name: _stats([p.result[name] for p in self.pairs]) for name in fns}
+
+    def context(self) -> dict:
+        w = self.ref[0]
+        return {"probe_width": self.probe.width, "probe_load_bytes": self.probe.load_bytes,
+                "probe_streams": self.probe.streams, "probe_mib": self.probe.nbytes >> 20,
+                "floor_ref_gemv": f"{w.fmt} {w.n}x{w.k} x{len(self.ref)}"}
+
+    def describe(self) -> str:
+        p, w = self.probe, self.ref[0]
+        return (f"# floor per timed item: best of the read probe ({p.width} loads, {p.load_bytes} B, "
+                f"{p.streams} streams/thread, {p.nbytes >> 20} MiB, best of {self.passes} passes) and a "
+                f"{w.fmt} GEMV {w.n}x{w.k} over {len(self.ref)} cop{'y' if len(self.ref) == 1 else 'ies'} "
+                f"({self.ref_bytes / 1e6:.0f} MB), each the mean of the samples before and after it, "
+                f"and of any kernel rate in the same window")
 
 
 def fmt_table(rows: list[dict], cols: list[str]) -> str:

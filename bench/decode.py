@@ -1,10 +1,20 @@
 """Plain BF16 decode speed against its memory-bandwidth floor (BENCH.md rules 4, 6):
-`qspec bench decode [--model NAME|DIR] [--prompt-file F] [--threads N] [--quick] [--json PATH] [--plot PATH]`.
+`qspec bench decode [--model NAME|DIR] [--prompt-file F] [--threads N] [--repeat N] [--quick] [--json PATH] [--plot PATH]`.
 
-  floor_tokens_per_s = read bandwidth (measured in this run, same threads) / BF16 weight bytes per token
-  pct_of_floor       = tokens_per_s / floor_tokens_per_s
-Real model (--model, default SmolLM2-135M): greedy, 128 new tokens, median over dev prompts; prefill reported separately.
-Synthetic shapes (labelled): median of one-token steps at a fixed context.
+The floor is measured interleaved with the decode (common.FloorMeter): sample, decode, sample,
+decode, ..., sample; each decode is paired with the mean of the samples before and after it.
+  bytes_per_token    = packed target weight bytes streamed per token (every GEMM weight + the
+                       LM head, padding included; not the embedding) + the KV cache read at the
+                       mean context of the decode
+  floor_gbps         = per pair, the best of the read probe (widest loads of the selected ISA
+                       level) and a BF16 GEMV over the model's largest matrix (its LM head)
+  floor_tokens_per_s = floor_gbps / bytes_per_token
+  pct_of_floor       = tokens_per_s / floor_tokens_per_s, per pair; median, min/max and IQR
+Real model (--model, default SmolLM2-135M): greedy, 128 new tokens (quick: 32), one pair per
+prompt (--prompts of --prompt-file, spread over the file); prefill reported separately (it is
+in the pair's window, not in its tokens/s). Synthetic Llama-3.2-1B shapes (labelled): one pair
+per target step (M=1) at a fixed context of 256. --repeat N runs it all N times in the process and reports
+the spread of the per-run medians; force a lower ISA level with QSPEC_ISA=avx2 (or scalar).
 """
 
 from __future__ import annotations
@@ -13,64 +23,143 @@ import argparse
 import resource
 import statistics
 
-from .common import (JsonWriter, dev_prompts, fmt_table, measure_bandwidth, model_parser, parent_parser,
-                     print_header, setup, time_interleaved)
+from .common import (FloorMeter, JsonWriter, dev_prompts, fmt_spread, fmt_table, model_parser, parent_parser,
+                     print_header, setup, spread)
 from .models import load_engine, model_label, step_costs, synthetic_backend
+
+SYNTHETIC_CONTEXT = 256
+
+
+def kv_bytes_per_token(cfg, context: float, itemsize: int) -> float:
+    """KV cache bytes one decode step reads at `context` positions (K and V of every layer)."""
+    return cfg.n_layers * 2 * context * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+
+def pair_row(pair, tokens_per_s: float, bytes_per_token: float) -> dict:
+    floor = pair.floor_gbps()
+    return {"tokens_per_s": tokens_per_s, "bytes_per_token": bytes_per_token, "floor_gbps": floor,
+            "probe_gbps": pair.probe_gbps, "ref_gemv_gbps": pair.kernel_gbps,
+            "floor_tokens_per_s": floor * 1e9 / bytes_per_token,
+            "implied_gbps": tokens_per_s * bytes_per_token / 1e9,
+            "pct_of_floor": 100 * tokens_per_s * bytes_per_token / (floor * 1e9)}
+
+
+def real_model_run(eng, meter: FloorMeter, prompts: list[str], n_new: int) -> list[dict]:
+    """One pair per prompt: plain greedy decode of n_new tokens between two floor samples."""
+    be, cfg = eng.backend, eng.cfg
+    itemsize = be.kv.data.element_size()
+    steps = (lambda p=p: eng.generate(p, max_new_tokens=n_new, chat=True).stats for p in prompts)
+    rows = []
+    for pair in meter.interleave(steps):
+        s = pair.result
+        n = s["new_tokens"]
+        # decode step j (1..n-1) attends over prompt_tokens + j positions: mean P + n/2
+        bpt = be.target_bytes + kv_bytes_per_token(cfg, s["prompt_tokens"] + n / 2, itemsize)
+        rows.append({**pair_row(pair, s["tokens_per_s"], bpt), "prompt_tokens": s["prompt_tokens"],
+                     "new_tokens": n, "prefill_ms_per_token": 1e3 * s["prefill_s"] / s["prompt_tokens"],
+                     "prefill_tokens_per_s": s["prompt_tokens"] / s["prefill_s"]})
+    return rows
+
+
+def synthetic_run(be, meter: FloorMeter, reps: int) -> list[dict]:
+    """One pair per target step (M=1) at SYNTHETIC_CONTEXT."""
+    step_costs(be, [], SYNTHETIC_CONTEXT, reps, meter.time_interleaved)
+    bpt = be.target_bytes + kv_bytes_per_token(be.cfg, SYNTHETIC_CONTEXT + 1, be.kv.data.element_size())
+    return [pair_row(p, 1 / p.result["target"], bpt) for p in meter.pairs]
+
+
+def summary(label: str, weights: str, runs: list[list[dict]], args, meter: FloorMeter, extra: dict) -> dict:
+    """One row per model: medians over every pair, the per-pair spread and the spread of the
+    per-run medians (--repeat)."""
+    pairs = [r for run in runs for r in run]
+    pct = spread([r["pct_of_floor"] for r in pairs])
+    run_medians = [statistics.median(r["pct_of_floor"] for r in run) for run in runs]
+    med = lambda key: statistics.median(r[key] for r in pairs)  # noqa: E731
+    return {"model": label, "weights": weights, "threads": args.threads, "runs": len(runs), "pairs": len(pairs),
+            "tokens_per_s": med("tokens_per_s"), "floor_tokens_per_s": med("floor_tokens_per_s"),
+            "pct_of_floor": pct["median"], "pct_min": pct["min"], "pct_max": pct["max"],
+            "pct_q1": pct["q1"], "pct_q3": pct["q3"],
+            "run_pct_min": min(run_medians), "run_pct_max": max(run_medians),
+            "run_pct_medians": run_medians,
+            "bytes_per_token_mb": med("bytes_per_token") / 1e6, "implied_gbps": med("implied_gbps"),
+            "floor_gbps": med("floor_gbps"), "probe_gbps": med("probe_gbps"), "ref_gemv_gbps": med("ref_gemv_gbps"),
+            **meter.context(), **extra}
 
 
 def run(args) -> list[dict]:
     setup(args)
-    ctx = print_header(args, "bench.decode: plain BF16 greedy decode vs the bandwidth floor")
-    bw = measure_bandwidth(args.threads)
-    print(f"# read bandwidth ({args.threads} threads): {bw:.1f} GB/s")
-    rows = []
+    ctx = print_header(args, "bench.decode: plain BF16 greedy decode vs the bandwidth floor, interleaved")
     out = JsonWriter(args.json, ctx)
+    rows = []
     eng = load_engine(args, None)
-    prompts = dev_prompts(args.prompt_file)[: 3 if args.quick else args.prompts]
+    label = model_label(eng)
+    meter = FloorMeter(args.threads, eng.backend.lm_head)
+    print(meter.describe(), flush=True)
+    prompts = dev_prompts(args.prompt_file, 3 if args.quick else args.prompts)
     n_new = 32 if args.quick else 128
-    tps, prefill = [], []
     eng.generate(prompts[0], max_new_tokens=8)  # warm-up
     eng.backend.model.profile_reset()
-    for p in prompts:
-        s = eng.generate(p, max_new_tokens=n_new, chat=True).stats
-        tps.append(s["tokens_per_s"])
-        prefill.append(s["prefill_s"] / s["prompt_tokens"])
+    runs = []
+    for i in range(args.repeat):
+        run_rows = real_model_run(eng, meter, prompts, n_new)
+        for j, r in enumerate(run_rows):
+            out.write({"model": label, "weights": "real", "case": "pair", "run": i, "prompt": j, **r})
+        runs.append(run_rows)
+        print(f"# {label} run {i + 1}/{args.repeat}: % of floor per prompt "
+              + " ".join(f"{r['pct_of_floor']:.0f}" for r in run_rows)
+              + f"  (tok/s {statistics.median(r['tokens_per_s'] for r in run_rows):.2f}, "
+              f"floor {statistics.median(r['floor_gbps'] for r in run_rows):.1f} GB/s)", flush=True)
     prof = eng.backend.model.profile()  # includes the prefills; decode dominates
-    wbytes = eng.backend.target_bytes
-    floor = bw * 1e9 / wbytes
-    r = {"model": model_label(eng), "weights": "real", "threads": args.threads,
-         "tokens_per_s": statistics.median(tps), "floor_tokens_per_s": floor,
-         "pct_of_floor": 100 * statistics.median(tps) / floor, "weight_mb": wbytes / 1e6,
-         "prefill_ms_per_token": 1e3 * statistics.median(prefill), "prompts": len(prompts), "new_tokens": n_new,
-         "bw_gbps": bw, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-         "gemm_pct": 100 * prof["gemm_s"] / prof["total_s"], "attention_pct": 100 * prof["attention_s"] / prof["total_s"],
-         "outside_kernels_pct": 100 * prof["other_s"] / prof["total_s"]}
+    pairs = [r for run in runs for r in run]
+    r = summary(label, "real", runs, args, meter, {
+        "weight_mb": eng.backend.target_bytes / 1e6, "prompts": len(prompts), "new_tokens": n_new,
+        "prefill_ms_per_token": statistics.median(p["prefill_ms_per_token"] for p in pairs),
+        "prefill_tokens_per_s": statistics.median(p["prefill_tokens_per_s"] for p in pairs),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "gemm_pct": 100 * prof["gemm_s"] / prof["total_s"], "attention_pct": 100 * prof["attention_s"] / prof["total_s"],
+        "outside_kernels_pct": 100 * prof["other_s"] / prof["total_s"]})
     rows.append(r)
-    out.write(r)
-    del eng
+    out.write({"case": "summary", **r})
+    print(f"# {label}: % of floor {fmt_spread(spread([p['pct_of_floor'] for p in pairs]), '%')}", flush=True)
+    del eng, meter
     for shape in ([] if args.quick else ["llama-3.2-1b"]):
         be = synthetic_backend(shape, None, max_seq=512)
-        st = step_costs(be, [], 256, 7, time_interleaved)["target"]
-        floor = bw * 1e9 / be.target_bytes
-        r = {"model": f"{shape} (synthetic weights)", "weights": "synthetic", "threads": args.threads,
-             "tokens_per_s": 1 / st.median, "floor_tokens_per_s": floor, "pct_of_floor": 100 / st.median / floor,
-             "weight_mb": be.target_bytes / 1e6, "context": 256, "bw_gbps": bw}
+        label = f"{shape} (synthetic weights)"
+        meter = FloorMeter(args.threads, be.lm_head)
+        runs = []
+        for i in range(args.repeat):
+            run_rows = synthetic_run(be, meter, args.steps)
+            for j, r in enumerate(run_rows):
+                out.write({"model": label, "weights": "synthetic", "case": "pair", "run": i, "step": j, **r})
+            runs.append(run_rows)
+        r = summary(label, "synthetic", runs, args, meter, {"weight_mb": be.target_bytes / 1e6,
+                                                           "context": SYNTHETIC_CONTEXT})
         rows.append(r)
-        out.write(r)
-        del be
+        out.write({"case": "summary", **r})
+        print(f"# {label}: % of floor {fmt_spread(spread([p['pct_of_floor'] for run in runs for p in run]), '%')}",
+              flush=True)
+        del be, meter
     out.close()
-    print(fmt_table(rows, ["model", "threads", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor",
-                           "weight_mb", "bw_gbps", "gemm_pct", "attention_pct", "outside_kernels_pct"]))
+    print(fmt_table(rows, ["model", "runs", "pairs", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor",
+                           "pct_min", "pct_max", "run_pct_min", "run_pct_max", "floor_gbps", "probe_gbps",
+                           "ref_gemv_gbps", "implied_gbps", "bytes_per_token_mb"]))
+    if rows[0].get("gemm_pct") is not None:
+        r = rows[0]
+        print(f"# {r['model']}: prefill {r['prefill_tokens_per_s']:.0f} tok/s ({r['prefill_ms_per_token']:.2f} ms/token), "
+              f"time split (incl. prefill): GEMM {r['gemm_pct']:.0f}%, attention {r['attention_pct']:.0f}%, "
+              f"outside kernels {r['outside_kernels_pct']:.0f}%")
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4))
         names = [r["model"] for r in rows]
-        ax.bar(names, [r["pct_of_floor"] for r in rows])
+        ax.bar(names, [r["pct_of_floor"] for r in rows],
+               yerr=[[r["pct_of_floor"] - r["pct_min"] for r in rows], [r["pct_max"] - r["pct_of_floor"] for r in rows]],
+               capsize=4)
         ax.axhline(100, color="k", ls="--", lw=1)
-        ax.set_ylabel("% of bandwidth floor (tok/s)")
-        ax.set_title(f"plain BF16 decode, {args.threads} threads, {ctx['cpu']}, BW {bw:.1f} GB/s", fontsize=9)
+        ax.set_ylabel("% of bandwidth floor (median, min..max of pairs)")
+        ax.set_title(f"plain BF16 decode, {args.threads} threads, {ctx['cpu']}, isa {ctx['isa']}", fontsize=9)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"plot: {args.plot}")
@@ -80,7 +169,9 @@ def run(args) -> list[dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="qspec bench decode", parents=[parent_parser(), model_parser()],
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=5, help="dev prompts to decode (default 5)")
+    p.add_argument("--prompts", type=int, default=5, help="dev prompts to decode, one pair each (default 5)")
+    p.add_argument("--steps", type=int, default=10, help="synthetic shapes: pairs (target steps) per run (default 10)")
+    p.add_argument("--repeat", type=int, default=1, help="run everything N times; report the spread of the run medians")
     run(p.parse_args(argv))
 
 

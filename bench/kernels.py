@@ -1,11 +1,15 @@
 """GEMM kernels vs measured read bandwidth and vs torch BF16 F.linear (same shape, same run,
-interleaved): `python -m bench.kernels [--threads N] [--quick] [--json PATH] [--plot PATH]`.
+interleaved): `python -m bench.kernels [--threads N] [--model NAME|DIR] [--quick] [--json PATH] [--plot PATH]`.
 
 Weights are SYNTHETIC (random) in the real shapes of SmolLM2-135M, Llama-3.2-1B and
-Llama-3-8B: they measure speed only. Each case rotates through enough copies of the weight
-to exceed the last-level cache, so bytes really come from DRAM (as in decoding).
+Llama-3-8B, or with --model in the GEMM shapes of that model's config.json (fused qkv, o,
+fused gate_up, down, lm_head): they measure speed only. Each case rotates through enough copies
+of the weight to exceed the last-level cache, so bytes really come from DRAM (as in decoding).
   gbps      = (packed weight bytes incl. scales + x + y) / median time
-  pct_of_bw = gbps / read bandwidth measured in the same run at the same thread count
+  pct_of_bw = per round of the case (every path and torch once), gbps / the floor of that round
+              (common.FloorMeter: the best of the read probe and a reference BF16 GEMV sampled
+              before and after the round, and of every kernel's rate in the round); the median
+              over rounds, with min / max (pct_min, pct_max)
   vs_torch  = torch time / our time (> 1: we are faster)
 
 `--shapes 1536x576,4096x4096` benchmarks just those N x K shapes (model "custom");
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import sys
 
 if os.environ.get("QSPEC_BENCH_SO"):  # A/B: another build of the extension (before bench.common)
@@ -31,8 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .common import (JsonWriter, fmt_table, measure_bandwidth, parent_parser, print_header,
-                          reps_for, setup, time_interleaved)
+from .common import (FloorMeter, JsonWriter, Rotating, copies_of, fmt_table, llc_bytes, model_parser,
+                     parent_parser, print_header, reps_for, setup, spread)
 from qspec import _C
 
 # (model, layer, N, K): y[M, N] = x[M, K] @ W[N, K]^T
@@ -50,8 +55,6 @@ MS = [1, 2, 4, 8, 16, 64, 256]
 QUICK_MS = [1, 2, 8, 64]
 FORMATS = ["bf16", "mxfp4", "mxfp6_e2m3", "mxfp8_e4m3"]
 QUICK_FORMATS = ["bf16", "mxfp4"]
-LLC_BYTES = 32 << 20
-ROTATE_BYTES = 3 * LLC_BYTES  # each case streams at least this many distinct bytes
 
 
 def synthetic_weight(rng, fmt: str, n: int, k: int, wbits: np.ndarray):
@@ -67,36 +70,39 @@ def synthetic_weight(rng, fmt: str, n: int, k: int, wbits: np.ndarray):
     return _C.pack_mx(fmt, codes, scales, k)
 
 
-def copies_of(pw, nbytes: int) -> list:
-    """The packed weight plus borrowed copies until they span nbytes (defeats the LLC)."""
-    ws = [pw]
-    while len(ws) * pw.nbytes < nbytes:
-        ws.append(_C.PackedWeight.from_buffers(pw.fmt, pw.n, pw.k,
-                                               {k: np.array(v) for k, v in pw.buffers().items()}))
-    return ws
+def model_shapes(model: str) -> tuple[str, list[tuple[str, int, int]]]:
+    """(label, [(layer, N, K)]) of a model's GEMMs, from its config.json (--model NAME|DIR)."""
+    from qspec.config import ModelConfig
+    from qspec.errors import QspecError
+    from qspec.fetch import resolve_model
 
-
-class Rotating:
-    """Calls fn(item) cycling through items: one call of the benchmark."""
-
-    def __init__(self, items, fn):
-        self.items, self.fn, self.i = items, fn, 0
-
-    def __call__(self):
-        self.i = (self.i + 1) % len(self.items)
-        return self.fn(self.items[self.i])
+    try:
+        d = resolve_model(model)
+        c = ModelConfig.from_file(d / "config.json")
+    except (QspecError, ValueError) as e:
+        raise SystemExit(f"bench: error: {e}") from None
+    return d.name, [("qkv", (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_size),
+                    ("o", c.hidden_size, c.n_heads * c.head_dim),
+                    ("gate_up", 2 * c.intermediate_size, c.hidden_size),
+                    ("down", c.hidden_size, c.intermediate_size),
+                    ("lm_head", c.vocab_size, c.hidden_size)]
 
 
 def run(args) -> list[dict]:
     threads = setup(args)
-    ctx = print_header(args, "GEMM kernels vs read bandwidth and torch F.linear (synthetic weights)")
-    bw = measure_bandwidth(threads, (256 << 20) if args.quick else (1 << 30))
-    print(f"# measured read bandwidth, {threads} thread(s): {bw:.1f} GB/s")
+    ctx = print_header(args, "GEMM kernels vs the bandwidth floor and torch F.linear (synthetic weights)")
     rng = np.random.default_rng(0)
     cases = [(mdl, lay, n, k) for mdl, layers in MODELS.items() for lay, n, k in layers
              if (not args.quick or (mdl, lay) in QUICK) and (not args.models or mdl in args.models)]
+    if args.model:
+        label, layers = model_shapes(args.model)
+        cases = [(label, lay, n, k) for lay, n, k in layers]
     if args.shapes:
         cases = [("custom", f"{n}x{k}", n, k) for n, k in args.shapes]
+    meter = FloorMeter(threads, probe_bytes=4 * llc_bytes() if args.quick else None)
+    ctx.update(meter.context())
+    print(meter.describe())
+    rotate_bytes = 3 * llc_bytes()  # each case streams at least this many distinct bytes
     ms = args.ms or (QUICK_MS if args.quick else MS)
     formats = args.formats or (QUICK_FORMATS if args.quick else FORMATS)
     budget = 0.15 if args.quick else 0.5
@@ -107,9 +113,9 @@ def run(args) -> list[dict]:
             wbits = ((wbits + 0x7FFF + ((wbits >> 16) & 1)) >> 16).astype(np.uint16)
             tw = torch.from_numpy(wbits.view(np.int16)).view(torch.bfloat16)
             tbytes = tw.numel() * 2
-            tws = [] if args.no_torch else [tw] + [tw.clone() for _ in range(max(0, -(-ROTATE_BYTES // tbytes) - 1))]
+            tws = [] if args.no_torch else [tw] + [tw.clone() for _ in range(max(0, -(-rotate_bytes // tbytes) - 1))]
             for fmt in formats:
-                ws = copies_of(synthetic_weight(rng, fmt, n, k, wbits), ROTATE_BYTES)
+                ws = copies_of(synthetic_weight(rng, fmt, n, k, wbits), rotate_bytes)
                 for m in ms:
                     if m >= 64 and n * k > 64e6 and args.quick:
                         continue
@@ -122,30 +128,39 @@ def run(args) -> list[dict]:
                         if tws:
                             fns["torch"] = Rotating(tws, lambda w: F.linear(tx, w))
                         reps = min(reps_for(f, budget / len(fns)) for f in fns.values())
-                        st = time_interleaved(fns, warmup=1, reps=reps)
+                        st = meter.time_interleaved(fns, warmup=1, reps=reps)
                     nbytes = ws[0].nbytes + 4 * m * (k + n)
+                    moved = {p: nbytes for p in paths} | ({"torch": tbytes + 2 * m * (k + n)} if tws else {})
+                    # per round: the floor of its window (probe, reference GEMV, every kernel's rate)
+                    floors = [pr.floor_gbps(*(moved[q] / pr.result[q] / 1e9 for q in moved)) for pr in meter.pairs]
+                    fl = spread(floors)
                     for p in paths:
                         s = st[p].median
                         ts = st["torch"].median if tws else float("nan")
                         gbps = nbytes / s / 1e9
+                        pct = spread([100 * nbytes / pr.result[p] / 1e9 / f for pr, f in zip(meter.pairs, floors)])
                         row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": p, "isa": p,
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
                                "synthetic": True, "m": m, "k": k, "n": n, "threads": threads,
                                "us_median": s * 1e6, "us_min": st[p].min * 1e6,
                                "us_max": st[p].max * 1e6, "reps": st[p].n, "bytes": nbytes,
-                               "gbps": gbps, "pct_of_bw": 100 * gbps / bw, "bw_gbps": bw,
+                               "gbps": gbps, "pct_of_bw": pct["median"], "pct_min": pct["min"],
+                               "pct_max": pct["max"], "bw_gbps": fl["median"],
+                               "probe_gbps": statistics.median(pr.probe_gbps for pr in meter.pairs),
+                               "ref_gemv_gbps": statistics.median(pr.kernel_gbps for pr in meter.pairs),
                                "tflops": 2 * m * n * k / s / 1e12,
                                "us_torch": ts * 1e6, "vs_torch": ts / s}
                         rows.append(row)
                         out.write(row)
                         print(f"{mdl:13s} {lay:8s} {fmt:11s} {p:6s} M={m:<4d} {n:6d}x{k:<6d} "
                               f"{s * 1e6:9.1f} us {gbps:6.1f} GB/s {row['pct_of_bw']:5.0f}% "
+                              f"[{pct['min']:3.0f}..{pct['max']:3.0f}] of {fl['median']:5.1f} "
                               f"{row['tflops'] * 1e3:6.1f} GFLOP/s  torch {row['us_torch']:9.1f} us "
                               f"x{row['vs_torch']:.2f}", flush=True)
                 del ws
     summarize(rows)
     if args.plot:
-        plot(rows, args.plot, ctx, bw)
+        plot(rows, args.plot, ctx)
     return rows
 
 
@@ -168,7 +183,7 @@ def summarize(rows: list[dict]) -> None:
                             "M2/M1", "M3/M1", "M4/M1", "M5/M1", "M8/M1"]))
 
 
-def plot(rows: list[dict], path: str, ctx: dict, bw: float) -> None:
+def plot(rows: list[dict], path: str, ctx: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -180,7 +195,7 @@ def plot(rows: list[dict], path: str, ctx: dict, bw: float) -> None:
         a1.set_xticks(range(len(pts)), [f"{r['model']}\n{r['layer']}\n{r['n']}x{r['k']}"
                                         for r in pts], fontsize=6)
     a1.axhline(85, color="gray", ls="--", lw=0.8)
-    a1.set_ylabel(f"% of measured read BW ({bw:.1f} GB/s)")
+    a1.set_ylabel("% of the bandwidth floor (per round)")
     a1.set_title("M = 1 (decode)")
     a1.legend()
     big = max(chosen, key=lambda r: (r["n"] * r["k"] if r["n"] < 100000 else 0))
@@ -205,7 +220,7 @@ def plot(rows: list[dict], path: str, ctx: dict, bw: float) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser()],
+    ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser(), model_parser(prompts=False)],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda t: (lambda v: [t(x) for x in v.split(",")])  # noqa: E731
     ap.add_argument("--formats", type=csv(str), default=None,
