@@ -114,15 +114,13 @@ def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, dra
 
     def get(what: str, kind: str, fmt: str, lm_head: str, names: list[str], make, size: int, desc: str) -> dict:
         t = time.perf_counter()
-        packed = wc.load(kind, fmt, lm_head) if wc is not None else None
-        info[what] = "cache"
-        if packed is None and wc is not None:
-            packed = wc.store(kind, fmt, lm_head, names, _progress(make(), len(names), desc), size)
-            info[what] = "built+cached"
-        if packed is None:
-            packed = dict(_progress(make(), len(names), desc))
-            info[what] = "built"
-        info[f"{what}_s"] = time.perf_counter() - t
+        how, packed = "cache", wc.load(kind, fmt, lm_head) if wc is not None else None
+        if packed is None and wc is not None:  # stream into the cache file, then map it
+            how, packed = "built+cached", wc.store(kind, fmt, lm_head, names,
+                                                   _progress(make(), len(names), desc), size)
+        if packed is None:  # no cache, or it could not be written
+            how, packed = "built", dict(_progress(make(), len(names), desc))
+        info[what], info[f"{what}_s"] = how, time.perf_counter() - t
         return packed
 
     target = get("target", "target", "bf16", "bf16", target_names(cfg), lambda: pack_target(weights), estimate,

@@ -8,7 +8,7 @@ loads map it zero-copy, as a `qspec quantize` draft file is mapped.
 
 Files: `<model dir name>-<sha256(resolved model dir)[:16]>.<kind>.qspec.safetensors`, kind
 "target" (BF16: each layer's four matrices and the LM head) or "draft-<format>-<LM head format>"
-(a draft file, exactly what `qspec quantize` writes). Both are packed files (qspec/draft.py).
+(a draft file, what `qspec quantize` writes: `--draft-file` takes it). Both are packed files (qspec/draft.py).
 A file is used only if its metadata matches this build and this checkpoint: cache version,
 packed-file version, PACK_LAYOUT_VERSION, kind and formats, and the checkpoint identity (model
 path, each weight file's size and mtime, config.json SHA-256). Anything else (no file, another
@@ -62,6 +62,11 @@ def draft_kind(spec: DraftSpec) -> str:
     return f"draft-{spec.fmt}-{spec.lm_head}"
 
 
+def _file_kind(kind: str) -> str:
+    """The packed-file kind: a draft cache file is a draft file (`--draft-file` takes it)."""
+    return "target" if kind == "target" else "draft"
+
+
 def warn(msg: str) -> None:
     print(f"qspec: warning: {msg}", file=sys.stderr)
 
@@ -88,7 +93,7 @@ class WeightCache:
         except (DraftFileError, OSError, ValueError):  # missing, unreadable, corrupt, other layout
             return None
         if (meta.get("qspec_cache_version"), meta.get("kind"), meta.get("format"), meta.get("lm_head"),
-                source) != (str(CACHE_VERSION), kind, fmt, lm_head, self.identity):
+                source) != (str(CACHE_VERSION), _file_kind(kind), fmt, lm_head, self.identity):
             return None
         return packed
 
@@ -105,7 +110,7 @@ class WeightCache:
                     self.disabled = (f"{free / 2**30:.1f} GiB free in {self.dir}, "
                                      f"~{(size_estimate + FREE_MARGIN) / 2**30:.1f} GiB wanted")
                 else:
-                    meta = packed_file_meta(kind, fmt, lm_head, self.identity,
+                    meta = packed_file_meta(_file_kind(kind), fmt, lm_head, self.identity,
                                             qspec_cache_version=str(CACHE_VERSION))
                     write_packed_file(self.path(kind), meta, names, items)
                     return self.load(kind, fmt, lm_head)
