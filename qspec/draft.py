@@ -4,7 +4,8 @@ Only the GEMM weights are cast; embeddings, norms and (by default) the LM head a
 own, shared, not copied (DESIGN.md invariant 3: one weight source).
 
 Packed file (safetensors, written atomically): one uint8 tensor per packed buffer, named
-"<matrix>/<buffer>" where <matrix> is "layers.<i>.<wqkv|wo|w_gate_up|w_down>" or "lm_head".
+"<matrix>/<buffer>" where <matrix> is "layers.<i>.<wqkv|wo|w_gate_up|w_down>" or "lm_head";
+a target file also holds the small tensors as F32 ("norm", "layers.<i>.attn_norm|mlp_norm|bqkv").
 Metadata: qspec_draft_version (the packed-file version), pack_layout_version, kind ("draft", the
 default, or "target" for the weight cache's BF16 file), format, lm_head, source (the
 checkpoint's path, weight-file bytes, per-file size and mtime, config.json SHA-256), and
@@ -92,7 +93,7 @@ def _header_reserve(meta: Mapping[str, str], names: Sequence[str]) -> int:
 
 def write_packed_file(path: Path, meta: Mapping[str, str], names: Sequence[str],
                       items: Iterable[tuple[str, object]]) -> Path:
-    """Write packed weights (`items`: (matrix name, PackedWeight), each one of `names`) as they come:
+    """Write packed weights (`items`: (name, PackedWeight or float32 array), each one of `names`) as they come:
     buffers are streamed to a uniquely named temp file in the target directory (nothing is held
     back in memory), the header is written last into the space reserved for it, and the file is
     renamed into place: readers see the old file or the complete new one, never a partial one."""
@@ -107,17 +108,23 @@ def write_packed_file(path: Path, meta: Mapping[str, str], names: Sequence[str],
             header: dict = {}
             matrices: dict[str, list] = {}
             off = 0
+            seen = set()
             for name, pw in items:
-                if name not in names or name in matrices:
+                if name not in names or name in seen or "/" in name:
                     raise ValueError(f"unexpected packed matrix {name!r}")
-                matrices[name] = [pw.fmt, pw.n, pw.k]
-                for buf, arr in sorted(pw.buffers().items()):
-                    f.write(memoryview(np.ascontiguousarray(arr)))
-                    header[f"{name}/{buf}"] = {"dtype": "U8", "shape": [arr.nbytes],
-                                               "data_offsets": [off, off + arr.nbytes]}
+                seen.add(name)
+                if isinstance(pw, np.ndarray):  # a small F32 tensor, stored as it is
+                    arr = np.ascontiguousarray(pw, dtype=np.float32)
+                    parts = [(name, "F32", list(arr.shape), arr)]
+                else:
+                    matrices[name] = [pw.fmt, pw.n, pw.k]
+                    parts = [(f"{name}/{buf}", "U8", [a.nbytes], a) for buf, a in sorted(pw.buffers().items())]
+                for key, dtype, shape, arr in parts:
+                    f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+                    header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + arr.nbytes]}
                     off += arr.nbytes
-            if set(matrices) != set(names):
-                raise ValueError(f"packed matrices missing: {sorted(set(names) - set(matrices))[:3]}")
+            if seen != set(names):
+                raise ValueError(f"packed matrices missing: {sorted(set(names) - seen)[:3]}")
             header["__metadata__"] = {**meta, "matrices": json.dumps(matrices)}
             raw = json.dumps(header, separators=(",", ":")).encode()
             if 8 + len(raw) > reserve:  # _header_reserve is an upper bound: a bug if hit
@@ -152,9 +159,9 @@ def _read_header(path: Path) -> tuple[dict, int]:
 
 
 def read_packed_file(path: Path) -> tuple[dict, dict]:
-    """Memory-maps a packed file: (its metadata, {matrix: PackedWeight}); the packed weights
-    borrow the mapping (no copy). DraftFileError when it is not one, of another version or
-    layout, or corrupt (bad header, truncated, buffer sizes not those of the layout)."""
+    """Memory-maps a packed file: (its metadata, {matrix: PackedWeight, small tensor: float32
+    array}); both borrow the mapping (no copy). DraftFileError when it is not one, of another
+    version or layout, or corrupt (bad header, truncated, buffer sizes not those of the layout)."""
     path = Path(path)
     header, data_start = _read_header(path)
     meta = header.pop("__metadata__", {}) or {}
@@ -173,22 +180,30 @@ def read_packed_file(path: Path) -> tuple[dict, dict]:
         raise DraftFileError(f"{path}: invalid draft metadata ({e})") from None
     size = path.stat().st_size
     buffers: dict[str, dict[str, tuple[int, int]]] = {name: {} for name in matrices}
+    smalls: dict[str, tuple[int, int, tuple[int, ...]]] = {}
     end = 0
     for key, info in header.items():
         name, _, buf = key.rpartition("/")
         try:
             lo, hi = info["data_offsets"]
-            ok = name in buffers and info["dtype"] == "U8" and 0 <= lo <= hi <= size - data_start
+            ok = 0 <= lo <= hi <= size - data_start
+            if info["dtype"] == "F32" and not name:  # a small tensor
+                shape = tuple(int(d) for d in info["shape"])
+                ok = ok and lo % 4 == 0 and hi - lo == 4 * int(np.prod(shape))
+                smalls[key] = (lo, hi, shape)
+            else:
+                ok = ok and name in buffers and info["dtype"] == "U8"
+                buffers[name][buf] = (lo, hi)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
             raise DraftFileError(f"{path}: corrupt draft file (tensor {key})")
-        buffers[name][buf] = (lo, hi)
         end = max(end, hi)
     if end != size - data_start:
         raise DraftFileError(f"{path}: corrupt draft file ({size} bytes, its header says {data_start + end})")
     mm = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.empty(0, np.uint8)
-    packed = {}
+    packed: dict = {key: mm[data_start + lo: data_start + hi].view(np.float32).reshape(shape)
+                    for key, (lo, hi, shape) in smalls.items()}
     for name, spec in matrices.items():
         try:
             fmt, n, k = spec

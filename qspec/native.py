@@ -41,20 +41,35 @@ def fused_layer_matrices(lw) -> dict[str, torch.Tensor]:
     }
 
 
+SMALL = ("attn_norm", "mlp_norm")  # + "bqkv" with attention biases: per-layer float32 vectors
+
+
+def _layer_names(cfg: ModelConfig, small: bool) -> list[str]:
+    extra = (SMALL + ("bqkv",) if cfg.attention_bias else SMALL) if small else ()
+    return [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in extra + MATRICES]
+
+
 def target_names(cfg: ModelConfig) -> list[str]:
-    """The packed target's matrices: every layer's four GEMM operands, then the LM head."""
-    return [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in MATRICES] + ["lm_head"]
+    """What the packed target holds: every layer's norms (and q/k/v bias) as float32 vectors and
+    its four GEMM operands packed BF16, then the final norm and the LM head. With the small
+    tensors in the same file, a load from the cache reads nothing scattered in the checkpoint."""
+    return _layer_names(cfg, True) + ["norm", "lm_head"]
 
 
 def draft_names(cfg: ModelConfig, spec: DraftSpec) -> list[str]:
-    return target_names(cfg)[:-1] + (["lm_head"] if spec.lm_head != "bf16" else [])
+    return _layer_names(cfg, False) + (["lm_head"] if spec.lm_head != "bf16" else [])
 
 
 def pack_target(weights: ModelWeights) -> Iterator[tuple[str, object]]:
-    """The target's packed BF16 matrices, one at a time (the names of target_names)."""
+    """The packed target, one entry at a time (the names of target_names)."""
     for i, lw in enumerate(weights.layers):
+        yield f"layers.{i}.attn_norm", lw.attn_norm.float().numpy()
+        yield f"layers.{i}.mlp_norm", lw.mlp_norm.float().numpy()
+        if lw.bq is not None:
+            yield f"layers.{i}.bqkv", torch.cat([lw.bq, lw.bk, lw.bv]).float().numpy()
         for k, w in fused_layer_matrices(lw).items():
             yield f"layers.{i}.{k}", _C.pack_bf16(bf16_numpy(w))
+    yield "norm", weights.norm.float().numpy()
     yield "lm_head", _C.pack_bf16(bf16_numpy(weights.lm_head))
 
 
@@ -145,39 +160,39 @@ class NativeBackend:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                  draft_packed: dict | None = None, *, target_packed: dict | None = None,
                  embed: np.ndarray | None = None):
-        """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight, e.g. mapped
-        from the weight cache or a draft file) are used as they are; otherwise the target is packed
-        and `draft` cast here. `embed`: the BF16 bits of the embedding to borrow (a mapping of the
-        checkpoint); otherwise a private copy of `weights.embed` is made. From `weights` only the
-        norms and biases are read when both packed sets are given."""
+        """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight or float32
+        array, e.g. mapped from the weight cache or a draft file) are used as they are; otherwise
+        the target is packed and `draft` cast here. `embed`: the BF16 bits of the embedding to
+        borrow (a mapping of the checkpoint); otherwise a private copy of `weights.embed` is made.
+        Nothing else is read from `weights` when both packed sets are given."""
         self.cfg = cfg
         self.kv = KVCache(cfg, 0)
         self.load_info: dict = {}
+        if target_packed is None:
+            target_packed = dict(pack_target(weights))
         # the model borrows it: a mapping of the checkpoint, or a private copy (the checkpoint
         # mapping of `weights` closes after load)
         self._embed = embed if embed is not None else bf16_numpy(weights.embed.clone())
-        self.model = _C.Model(
-            {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-             "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-             "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps},
-            self._embed, weights.norm.float().numpy())
-        if target_packed is None:
-            target_packed = dict(pack_target(weights))
         self.draft = draft
         self.target_bytes = self.draft_bytes = 0
         try:
+            self.model = _C.Model(
+                {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+                 "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
+                 "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps},
+                self._embed, target_packed["norm"])
             for i in range(cfg.n_layers):
-                tgt = [target_packed[f"layers.{i}.{k}"] for k in MATRICES]
+                p = f"layers.{i}."
+                tgt = [target_packed[p + k] for k in MATRICES]
                 self.model.set_layer(TARGET, i, *tgt)
-                self.target_bytes += sum(p.nbytes for p in tgt)
+                self.target_bytes += sum(w.nbytes for w in tgt)
+                self.model.set_layer_norms(i, target_packed[p + "attn_norm"], target_packed[p + "mlp_norm"],
+                                           target_packed[p + "bqkv"] if cfg.attention_bias else None)
             self.lm_head = target_packed["lm_head"]
             self.model.set_lm_head(TARGET, self.lm_head)
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"packed target weights do not match this model ({e})") from None
         self.target_bytes += self.lm_head.nbytes
-        for i, lw in enumerate(weights.layers):
-            bqkv = None if lw.bq is None else torch.cat([lw.bq, lw.bk, lw.bv]).float().numpy()
-            self.model.set_layer_norms(i, lw.attn_norm.float().numpy(), lw.mlp_norm.float().numpy(), bqkv)
         packed_draft = {}
         if draft is not None:
             packed_draft = draft_packed if draft_packed is not None else cast_draft(weights, draft)

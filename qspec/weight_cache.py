@@ -7,8 +7,9 @@ So the first load writes it to `$QSPEC_CACHE/packed/` (default ~/.cache/qspec/pa
 loads map it zero-copy, as a `qspec quantize` draft file is mapped.
 
 Files: `<model dir name>-<sha256(resolved model dir)[:16]>.<kind>.qspec.safetensors`, kind
-"target" (BF16: each layer's four matrices and the LM head) or "draft-<format>-<LM head format>"
-(a draft file, what `qspec quantize` writes: `--draft-file` takes it). Both are packed files (qspec/draft.py).
+"target" (each layer's four BF16 matrices, norms and biases; the final norm and the LM head) or
+"draft-<format>-<LM head format>" (a draft file, what `qspec quantize` writes: `--draft-file`
+takes it). Both are packed files (qspec/draft.py).
 A file is used only if its metadata matches this build and this checkpoint: cache version,
 packed-file version, PACK_LAYOUT_VERSION, kind and formats, and the checkpoint identity (model
 path, each weight file's size and mtime, config.json SHA-256). Anything else (no file, another
@@ -38,7 +39,7 @@ from .draft import DraftSpec, _read_header, checkpoint_identity, packed_file_met
     write_packed_file
 from .errors import DraftFileError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the target file holds the norms and biases too
 DISABLE_ENV = "QSPEC_NO_WEIGHT_CACHE"
 SUFFIX = ".qspec.safetensors"
 STALE_TEMP_S = 3600.0      # a temp file not written to for this long belongs to a dead writer

@@ -44,12 +44,12 @@ def no_temp_files(d):
 
 
 def forbid_packing(monkeypatch):
-    """Any packing or casting from here on fails the test."""
+    """Any packing or casting, or reading a layer of the checkpoint, from here on fails the test."""
     def boom(*a, **k):
-        raise AssertionError("packed although the weight cache has the weights")
+        raise AssertionError("packed or read the checkpoint although the weight cache has the weights")
     for name in ("pack_bf16", "pack_mx", "mx_quantize"):
-        if hasattr(_C, name):
-            monkeypatch.setattr(_C, name, boom)
+        monkeypatch.setattr(_C, name, boom)
+    monkeypatch.setattr("qspec.loader._Layers.__getitem__", boom)
 
 
 def logits(engine, ids, draft=False):
