@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
 from .errors import PromptTooLongError
 from .kv_cache import KVCache
-from .loader import check_model_dir, load_weights
+from .loader import load_weights
 from .sampling import SamplingParams, argmax, sample, warp
 from .speculative import DraftParams, speculative_tokens
 from .tokenizer import StreamDecoder, Tokenizer
@@ -199,7 +199,8 @@ def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None 
 def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
          draft_lm_head: str | None = None, cache: bool | None = None) -> Engine:
-    """Load a model directory (None = the default SmolLM2-135M-Instruct) into an Engine.
+    """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
+    (`qspec fetch --list`), or a Hugging Face model directory.
 
     `draft`: "auto" (the measured default format), an MX format name, or None for no draft.
     `draft_file`: a `qspec quantize` file to memory-map instead of casting at load.
