@@ -175,6 +175,9 @@ def requantized(llama_cpp, src: Path, kind: str, threads: int) -> Path:
             rc = llama_cpp.llama_model_quantize(str(src).encode(), tmp.encode(), ctypes.byref(params))
             if rc != 0:
                 raise SystemExit(f"bench: error: llama_model_quantize {src.name} -> {kind} failed ({rc})")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600; a cache file is readable like any other
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):
