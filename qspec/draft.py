@@ -93,10 +93,11 @@ def _header_reserve(meta: Mapping[str, str], names: Sequence[str]) -> int:
 
 def write_packed_file(path: Path, meta: Mapping[str, str], names: Sequence[str],
                       items: Iterable[tuple[str, object]]) -> Path:
-    """Write packed weights (`items`: (name, PackedWeight or float32 array), each one of `names`) as they come:
-    buffers are streamed to a uniquely named temp file in the target directory (nothing is held
-    back in memory), the header is written last into the space reserved for it, and the file is
-    renamed into place: readers see the old file or the complete new one, never a partial one."""
+    """Write packed weights as they come (`items`: (name, PackedWeight or float32 array), each
+    one of `names`): buffers are streamed to a uniquely named temp file in the target directory
+    (nothing is held back in memory), the header is written last into the space reserved for it,
+    and the file is renamed into place: readers see the old file or the complete new one, never
+    a partial one."""
     path = Path(path)
     names = list(names)
     reserve = _header_reserve(meta, names)

@@ -187,7 +187,7 @@ class NativeBackend:
                 self.model.set_layer(TARGET, i, *tgt)
                 self.target_bytes += sum(w.nbytes for w in tgt)
                 self.model.set_layer_norms(i, target_packed[p + "attn_norm"], target_packed[p + "mlp_norm"],
-                                           target_packed[p + "bqkv"] if cfg.attention_bias else None)
+                                           target_packed.get(p + "bqkv"))
             self.lm_head = target_packed["lm_head"]
             self.model.set_lm_head(TARGET, self.lm_head)
         except (KeyError, ValueError) as e:
