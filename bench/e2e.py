@@ -27,8 +27,8 @@ import sys
 
 from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup,
                      time_interleaved)
-from .models import load_engine, model_label, parse_draft, step_costs, synthetic_backend
-from qspec.engine import DEFAULT_DRAFT, DEFAULT_DRAFT_PARAMS
+from .models import default_draft_name, load_engine, model_label, parse_draft, step_costs, synthetic_backend
+from qspec.engine import DEFAULT_DRAFT_PARAMS
 from qspec.speculative import DraftParams
 
 
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="qspec bench e2e", parents=[parent_parser(), model_parser()], description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafts", type=lambda s: s.split(","), default=None,
-                   help="comma list of FORMAT[:LM_HEAD_FORMAT] (default: the engine's default draft)")
+                   help="comma list of FORMAT[:LM_HEAD_FORMAT] (default: the engine's default draft for the model)")
     p.add_argument("--ks", type=_ks, default=None,
                    help="comma list of K, auto, K@P or auto@P (P = draft_p_min; default 1..8,auto)")
     p.add_argument("--temps", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 0.7])
@@ -203,7 +203,7 @@ def main(argv=None) -> None:
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.drafts is None:
-        args.drafts = [f"{DEFAULT_DRAFT.fmt}:{DEFAULT_DRAFT.lm_head}"]
+        args.drafts = [default_draft_name(args)]
     if args.ks is None:
         args.ks = _ks("1,2,4,auto" if args.quick else "1,2,3,4,5,6,7,8,auto")
     if args.rss_probe:

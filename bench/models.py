@@ -19,6 +19,19 @@ def load_engine(args, draft: DraftSpec | None):
         raise SystemExit(f"bench: error: {e}") from None
 
 
+def default_draft_name(args) -> str:
+    """"FORMAT:LM_HEAD" of the draft qspec.load(draft="auto") picks for --model."""
+    from qspec.config import ModelConfig
+    from qspec.engine import default_draft
+    from qspec.fetch import resolve_model
+
+    try:
+        d = default_draft(ModelConfig.from_file(resolve_model(args.model) / "config.json"))
+    except qspec.QspecError as e:
+        raise SystemExit(f"bench: error: {e}") from None
+    return f"{d.fmt}:{d.lm_head}"
+
+
 def model_label(engine) -> str:
     """The model's name for tables and JSON: its directory name (a fetched model's name)."""
     return engine.model_dir.name

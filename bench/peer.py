@@ -40,6 +40,7 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -276,11 +277,9 @@ def _parse_configs(s: str) -> list[str]:
 
 # ------------------------------------------------------------------ the run
 def run(args, ctx: dict, out: JsonWriter, llama_cpp) -> list[dict]:
-    from qspec.engine import DEFAULT_DRAFT
-
-    prompts = dev_prompts(args.prompt_file)[: args.prompts]
+    prompts = dev_prompts(args.prompt_file, args.prompts)
     n_new = args.max_new
-    eng = load_engine(args, DEFAULT_DRAFT)
+    eng = load_engine(args, "auto")
     label = model_label(eng)
     ids = [eng.encode_prompt(p) for p in prompts]
     eos = set(eng.eos_ids)
@@ -298,7 +297,7 @@ def run(args, ctx: dict, out: JsonWriter, llama_cpp) -> list[dict]:
     print(f"# model: {label}  original GGUF: {src.name} ({src.stat().st_size / 2**20:.0f} MiB)   "
           f"prompts: {len(prompts)} x {n_new} new tokens, greedy, prompt ids from qspec encode_prompt "
           f"({min(map(len, ids))}-{max(map(len, ids))} tokens)", flush=True)
-    print(f"# qspec draft: {DEFAULT_DRAFT.fmt}:{DEFAULT_DRAFT.lm_head}   EOS ids: qspec {sorted(eos)}, "
+    print(f"# qspec draft: {eng.draft.fmt}:{eng.draft.lm_head}   EOS ids: qspec {sorted(eos)}, "
           f"llama.cpp end-of-generation {eog_peer}   llama.cpp ctx {n_ctx}", flush=True)
     for cfg, p in peers.items():
         print(f"# llama.cpp {cfg}: {p.desc}, {p.file_bytes / 2**20:.0f} MiB  ({p.path.name})", flush=True)
@@ -310,28 +309,34 @@ def run(args, ctx: dict, out: JsonWriter, llama_cpp) -> list[dict]:
         fn(ids[0], min(n_new, 8))
     res: dict[str, list[dict]] = {k: [] for k in engines}
     compares = []
-    for j, pid in enumerate(ids):
-        line = []
-        for name, fn in engines.items():
-            r = fn(pid, n_new)
-            res[name].append(r)
-            line.append(f"{name} {r['tokens_per_s']:.2f}")
-        plain = res["qspec plain"][-1]["tokens"]
-        cmp = {"mode": "compare", "prompt": j, "prompt_tokens": len(pid),
-               "qspec_spec_equals_plain": res["qspec speculative"][-1]["tokens"] == plain}
-        for cfg in peers:
-            toks = res[f"llama.cpp {cfg}"][-1]["tokens"]
-            d = first_difference(plain, toks)
-            cmp[f"{cfg}_first_diff"] = d
-            if d is not None:
-                cmp[f"{cfg}_tokens_at_diff"] = [_tok_text(eng.tokenizer, plain, d), _tok_text(eng.tokenizer, toks, d)]
-            base_cfg = cfg.partition("+")[0]
-            if cfg.endswith("+lookup") and base_cfg in peers:
-                cmp[f"{cfg}_equals_{base_cfg}"] = toks == res[f"llama.cpp {base_cfg}"][-1]["tokens"]
-        compares.append(cmp)
-        out.write({**cmp, "model": label, "new_tokens": n_new})
-        print(f"# prompt {j} ({len(pid)} tok): " + ", ".join(line) + " tok/s", flush=True)
-
+    try:
+        for j, pid in enumerate(ids):
+            line = []
+            for name, fn in engines.items():
+                r = fn(pid, n_new)
+                res[name].append(r)
+                line.append(f"{name} {r['tokens_per_s']:.2f}")
+            plain = res["qspec plain"][-1]["tokens"]
+            cmp = {"mode": "compare", "prompt": j, "prompt_tokens": len(pid),
+                   "qspec_spec_equals_plain": res["qspec speculative"][-1]["tokens"] == plain}
+            for cfg in peers:
+                toks = res[f"llama.cpp {cfg}"][-1]["tokens"]
+                d = first_difference(plain, toks)
+                cmp[f"{cfg}_first_diff"] = d
+                if d is not None:
+                    cmp[f"{cfg}_tokens_at_diff"] = [_tok_text(eng.tokenizer, plain, d), _tok_text(eng.tokenizer, toks, d)]
+                base_cfg = cfg.partition("+")[0]
+                if cfg.endswith("+lookup") and base_cfg in peers:
+                    cmp[f"{cfg}_equals_{base_cfg}"] = toks == res[f"llama.cpp {base_cfg}"][-1]["tokens"]
+            compares.append(cmp)
+            out.write({**cmp, "model": label, "new_tokens": n_new})
+            print(f"# prompt {j} ({len(pid)} tok): " + ", ".join(line) + " tok/s", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report the prompts done so far
+        done = len(compares)
+        if not done:
+            raise
+        print(f"# interrupted: summary of the {done} prompts completed", flush=True)
+        res = {k: v[:done] for k, v in res.items()}
     rows = []
     for name, rs in res.items():
         def ratios(ref_name):
@@ -405,8 +410,15 @@ def main(argv=None) -> None:
     print(f"# llama-cpp-python {v['llama_cpp_python']}, ggml {v['ggml_version']} (commit {v['ggml_commit']})")
     if v.get("system_info"):
         print(f"# llama.cpp system info: {v['system_info']}", flush=True)
-    with JsonWriter(args.json, ctx) as out:
-        run(args, ctx, out, llama_cpp)
+    def terminated(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with JsonWriter(args.json, ctx) as out:
+            run(args, ctx, out, llama_cpp)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -194,9 +194,10 @@ def _cmd_quantize(a: argparse.Namespace) -> int:
     from .loader import load_weights
     from .native import cast_draft
 
-    spec = resolve_draft_spec(a.format or "auto", a.lm_head)
     model_dir = resolve_model(a.model)
-    weights = load_weights(model_dir, ModelConfig.from_file(model_dir / "config.json"))
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    spec = resolve_draft_spec(a.format or "auto", a.lm_head, cfg)
+    weights = load_weights(model_dir, cfg)
     out = Path(a.out) if a.out else model_dir / f"draft-{spec.fmt}.qspec.safetensors"
     save_draft_file(out, model_dir, spec, cast_draft(weights, spec))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)

@@ -79,6 +79,14 @@ class ModelConfig:
         cfg._validate(source)
         return cfg
 
+    @property
+    def gemm_params(self) -> int:
+        """Weights the GEMMs stream per token: every layer's Q/K/V/O and MLP, plus the LM head."""
+        attn = self.hidden_size * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim \
+            + self.n_heads * self.head_dim * self.hidden_size
+        return self.n_layers * (attn + 3 * self.hidden_size * self.intermediate_size) \
+            + self.vocab_size * self.hidden_size
+
     @classmethod
     def from_file(cls, path: Path) -> "ModelConfig":
         try:

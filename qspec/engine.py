@@ -18,8 +18,12 @@ from .sampling import SamplingParams, argmax, sample, warp
 from .speculative import DraftParams, speculative_tokens
 from .tokenizer import StreamDecoder, Tokenizer
 
-# Chosen by measurement on the dev prompts (README, "Choosing the draft").
-DEFAULT_DRAFT = DraftSpec(fmt="mxfp6_e2m3", lm_head="mxfp6_e2m3")
+# Chosen by measurement on the dev prompts (README, "Choosing the draft"): MXFP4 with an MXFP4 LM
+# head on real model sizes (Qwen2.5-Coder 0.5B and 1.5B); below SMALL_MODEL_PARAMS GEMM weights
+# (SmolLM2-135M) MXFP4 agrees too rarely with BF16 and MXFP6-E2M3 is faster end to end.
+DEFAULT_DRAFT = DraftSpec(fmt="mxfp4", lm_head="mxfp4")
+SMALL_MODEL_DRAFT = DraftSpec(fmt="mxfp6_e2m3", lm_head="mxfp6_e2m3")
+SMALL_MODEL_PARAMS = 300_000_000
 DEFAULT_DRAFT_PARAMS = DraftParams(draft_max="auto", draft_min=1, draft_p_min=0.0)
 # With sampling, "auto" picks K from run-time timings, and the tokens drawn depend on K: a fixed
 # default K keeps seeded sampling reproducible (greedy output does not depend on K at all).
@@ -182,18 +186,25 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:
     return {int(i) for i in ids}
 
 
-def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None = None) -> DraftSpec | None:
-    """"auto" -> DEFAULT_DRAFT; a format name -> that format, its LM head cast the way the
-    default's is (same format, or kept BF16) unless `draft_lm_head` says otherwise."""
+def default_draft(cfg: ModelConfig) -> DraftSpec:
+    """The measured best draft for a model of this size (see DEFAULT_DRAFT)."""
+    return SMALL_MODEL_DRAFT if cfg.gemm_params < SMALL_MODEL_PARAMS else DEFAULT_DRAFT
+
+
+def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None = None,
+                       cfg: ModelConfig | None = None) -> DraftSpec | None:
+    """"auto" -> default_draft(cfg) (DEFAULT_DRAFT without a config); a format name -> that
+    format with an LM head of the same format, unless `draft_lm_head` says otherwise."""
     if draft is None or draft == "none":
         return None
     if isinstance(draft, DraftSpec):
         return draft
     if draft == "auto":
-        return DEFAULT_DRAFT if draft_lm_head is None else DraftSpec(DEFAULT_DRAFT.fmt, draft_lm_head)
+        auto = DEFAULT_DRAFT if cfg is None else default_draft(cfg)
+        return auto if draft_lm_head is None else DraftSpec(auto.fmt, draft_lm_head)
     if draft not in DRAFT_FORMATS:
         raise ValueError(f"unknown draft format {draft!r} (choose from none, auto, {', '.join(DRAFT_FORMATS)})")
-    return DraftSpec(draft, draft_lm_head or ("bf16" if DEFAULT_DRAFT.lm_head == "bf16" else draft))
+    return DraftSpec(draft, draft_lm_head or draft)
 
 
 def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
@@ -226,6 +237,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
 
     model_dir = resolve_model(model)
     cfg = ModelConfig.from_file(model_dir / "config.json")
+    spec = resolve_draft_spec(draft, draft_lm_head, cfg)
     tok = Tokenizer(model_dir)
     draft_packed = None
     if draft_file is not None and backend == "native":

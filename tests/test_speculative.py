@@ -229,3 +229,20 @@ def test_cost_model_picks_k_from_measurements():
     assert cheap.choose() >= 6
     costly = trained(0.5, 0.6, lambda m: 1.0 + 0.5 * (m - 1))  # poor draft, steep verify -> K = 1
     assert costly.choose() == 1
+
+
+def test_default_draft_follows_model_size(default_model_dir):
+    """draft="auto": MXFP6-E2M3 below SMALL_MODEL_PARAMS GEMM weights, MXFP4 (own LM head) above
+    (measured: README, "Choosing the draft")."""
+    from qspec.engine import DEFAULT_DRAFT, SMALL_MODEL_DRAFT, SMALL_MODEL_PARAMS, default_draft
+    from qspec.synthetic import synthetic_config
+
+    small = qspec.config.ModelConfig.from_file(default_model_dir / "config.json")
+    assert small.gemm_params < SMALL_MODEL_PARAMS and default_draft(small) == SMALL_MODEL_DRAFT
+    big = synthetic_config("llama-3.2-1b")
+    assert big.gemm_params > SMALL_MODEL_PARAMS and default_draft(big) == DEFAULT_DRAFT
+    assert DEFAULT_DRAFT == qspec.engine.DraftSpec("mxfp4", "mxfp4")
+    eng = engine_for(default_model_dir, "auto")
+    assert eng.draft == SMALL_MODEL_DRAFT
+    # an explicit format casts its LM head in the same format unless told otherwise
+    assert qspec.engine.resolve_draft_spec("mxfp8_e4m3", None, small) == qspec.engine.DraftSpec("mxfp8_e4m3", "mxfp8_e4m3")
