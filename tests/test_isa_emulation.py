@@ -64,6 +64,8 @@ def _build() -> Path:
 def _run_emulated(tmp_path, tests: list[str]) -> None:
     pkg = tmp_path / "qspec"
     shutil.copytree(Path(qspec.__file__).parent, pkg, ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    if not (pkg / "bench").exists():  # an editable install: the wheel puts bench/ at qspec/bench
+        shutil.copytree(REPO / "bench", pkg / "bench", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(_build(), pkg)
     r = subprocess.run([sys.executable, "-c", BOOTSTRAP, str(tmp_path), "-q", "-p", "no:cacheprovider", *tests],
                        cwd=Path(__file__).parent, capture_output=True, text=True)
