@@ -84,7 +84,8 @@ def real_model_run(eng, meter: FloorMeter, prompts: list[str], n_new: int, windo
             st: dict = {}
             it = eng.stream(prompt, max_new_tokens=n_new, chat=True, speculative=False, stats=st)
             done = [next(it, None) is None]  # prefill and the first token(s): reported apart
-            prefills.append({"prompt_tokens": st["prompt_tokens"], "prefill_s": st["prefill_s"]})
+            if not st["cached_prompt_tokens"]:  # the same prompt again is not prefilled again
+                prefills.append({"prompt_tokens": st["prompt_tokens"], "prefill_s": st["prefill_s"]})
 
             def window():
                 s0, c0, t0 = fc.steps, fc.context, time.perf_counter()

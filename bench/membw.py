@@ -80,16 +80,17 @@ def main(argv=None) -> None:
             del probes
         print(fmt_table(rows, ["kernel", "width", "load_bytes", "threads", "streams", "prefetch", "gbps",
                                "gbps_min", "gbps_max", "load"]), flush=True)
-        if args.sweep:
+        if args.sweep:  # every (streams, prefetch) at the widest width, interleaved pass by pass
             sweep = []
+            size = min(nbytes, 256 << 20)
             for t in range(1, threads + 1):
-                for pf in (0, 1024):
-                    probes = {s: _C.ReadProbe(nbytes, t, "auto", s, 0, pf, huge) for s in (1, 2, 4, 8, 16)}
-                    gb = interleaved(probes, max(3, reps // 2))
-                    for s, p in probes.items():
-                        sweep.append(row("read_sweep", p, gb[s]))
-                        out.write(sweep[-1])
-                    del probes
+                probes = {(s, pf): _C.ReadProbe(size, t, "auto", s, 0, pf, huge)
+                          for s in (1, 2, 4, 8, 16) for pf in (0, 1024, 4096)}
+                gb = interleaved(probes, max(3, reps // 2))
+                for c, p in probes.items():
+                    sweep.append(row("read_sweep", p, gb[c]))
+                    out.write(sweep[-1])
+                del probes
             print()
             print(fmt_table(sweep, ["kernel", "width", "threads", "streams", "prefetch", "chunk", "gbps",
                                     "gbps_min", "gbps_max", "load"]))

@@ -18,6 +18,9 @@ class KVCache:
         # torch.empty: pages are touched (and count in RSS) only as positions are written
         self.data = torch.empty((cfg.n_layers, 2, capacity, cfg.n_kv_heads, cfg.head_dim), dtype=dtype)
         self.length = 0  # committed positions
+        # ((prompt ids, kernel path), fp32 logits of its last row) while rows [0, len(ids)) hold
+        # exactly that prompt's prefill: the same prompt again needs no prefill (Engine._prefill)
+        self.prompt_memo: tuple[tuple, torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -33,3 +36,8 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    def writing(self, start_pos: int) -> None:
+        """A forward pass is about to write rows from start_pos on (every backend calls this)."""
+        if self.prompt_memo is not None and start_pos < len(self.prompt_memo[0][0]):
+            self.prompt_memo = None

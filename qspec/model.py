@@ -84,5 +84,6 @@ class TorchBackend:
         self.kv = KVCache(cfg, 0, dtype=torch.float32)
 
     def forward(self, tokens, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+        self.kv.writing(start_pos)
         logits = self.model.forward(torch.as_tensor(list(tokens), dtype=torch.long), start_pos, self.kv)
         return logits if all_logits else logits[-1:]

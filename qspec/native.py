@@ -216,6 +216,11 @@ class NativeBackend:
             self.model.set_rope(cos.numpy(), sin.numpy())
             self._rope_positions = n
 
+    @property
+    def kernel_path(self) -> str:
+        """The ISA level the kernels run at now (QSPEC_ISA / set_isa_limit): rows' bits depend on it."""
+        return _C.isa_selected()
+
     def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False,
                 draft: bool = False) -> torch.Tensor:
         m = len(tokens)
@@ -224,6 +229,7 @@ class NativeBackend:
             self._logits = np.empty((rows, self.cfg.vocab_size), dtype=np.float32)
         self._ensure_rope(start_pos + m)
         out = self._logits[:rows]
+        self.kv.writing(start_pos)
         kv = self.kv.data.view(torch.int16).numpy().view(np.uint16)
         self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, kv, DRAFT if draft else TARGET,
                            all_logits, out)

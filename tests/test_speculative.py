@@ -246,3 +246,25 @@ def test_default_draft_follows_model_size(default_model_dir):
     assert eng.draft == SMALL_MODEL_DRAFT
     # an explicit format casts its LM head in the same format unless told otherwise
     assert qspec.engine.resolve_draft_spec("mxfp8_e4m3", None, small) == qspec.engine.DraftSpec("mxfp8_e4m3", "mxfp8_e4m3")
+
+
+def test_repeated_prompt_skips_its_prefill(default_model_dir):
+    """The same prompt again reuses its cache rows (bit-identical state), in either mode; a different
+    prompt, another ISA level or any write over the prompt's rows runs the prefill again."""
+    eng = engine_for(default_model_dir, "mxfp4")
+    p, q = dev_prompts()[2], dev_prompts()[5]
+    first = eng.generate(p, max_new_tokens=24, speculative=False)
+    assert first.stats["cached_prompt_tokens"] == 0 and first.stats["prefill_s"] > 0
+    spec = eng.generate(p, max_new_tokens=24, draft_max=4)
+    again = eng.generate(p, max_new_tokens=24, speculative=False)
+    for r in (spec, again):
+        assert r.stats["cached_prompt_tokens"] == r.stats["prompt_tokens"] and r.stats["prefill_s"] == 0
+        assert r.tokens == first.tokens
+    assert eng.generate(q, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
+    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
+    eng.backend.forward([1, 2], 0)  # a pass over the prompt's rows forgets it
+    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
+    if len(ISA_LEVELS) > 1:
+        _C.set_isa_limit(ISA_LEVELS[-2])
+        r = eng.generate(p, max_new_tokens=4)
+        assert r.stats["cached_prompt_tokens"] == 0
