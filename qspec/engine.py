@@ -194,7 +194,7 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:
             ids |= set(eos if isinstance(eos, list) else [eos])
     if tok.eos_token and tok.token_id(tok.eos_token) is not None:
         ids.add(tok.token_id(tok.eos_token))
-    return {int(i) for i in ids}
+    return {int(i) for i in ids | tok.end_marker_ids()}
 
 
 def default_draft(cfg: ModelConfig) -> DraftSpec:

@@ -64,6 +64,13 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def end_marker_ids(self) -> set[int]:
+        """Special tokens that end a document or a turn in any common template (END_MARKERS):
+        models emit them even when the config names only one as EOS (Qwen2.5 ends with either
+        <|im_end|> or <|endoftext|>); llama.cpp stops at them too."""
+        return {i for i, t in self._tok.get_added_tokens_decoder().items()
+                if t.special and t.content in END_MARKERS}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -80,6 +87,10 @@ class Tokenizer:
         # transformers tokenizes a rendered template without adding special tokens again
         return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]),
                            add_special_tokens=False)
+
+
+END_MARKERS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+                         "<end_of_turn>", "<EOT>", "<｜end▁of▁sentence｜>"})
 
 
 class StreamDecoder:

@@ -160,6 +160,18 @@ def test_tokenizer_hand_checked(default_model_dir):
     assert json.loads((default_model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
+def test_generation_stops_at_every_end_marker(default_model_dir):
+    """The config names <|im_end|> only; <|endoftext|> ends a document too (as llama.cpp stops)."""
+    from qspec.config import ModelConfig
+    from qspec.engine import _eos_ids
+    from qspec.tokenizer import Tokenizer
+
+    ours = Tokenizer(default_model_dir)
+    assert ours.end_marker_ids() == {0, 2}
+    cfg = ModelConfig.from_file(default_model_dir / "config.json")
+    assert _eos_ids(default_model_dir, cfg, ours) == {0, 2}
+
+
 # ---------------------------------------------------------------------------------------------
 # Independent correctness: transformers runs our directory, and agrees with its own GGUF import
 
