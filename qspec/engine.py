@@ -15,7 +15,7 @@ from .errors import PromptTooLongError
 from .kv_cache import KVCache
 from .loader import load_weights
 from .sampling import SamplingParams, argmax, sample, warp
-from .speculative import DraftParams, speculative_tokens
+from .speculative import CostModel, DraftParams, speculative_tokens
 from .tokenizer import StreamDecoder, Tokenizer
 
 # Chosen by measurement on the dev prompts (README, "Choosing the draft"): MXFP4 with an MXFP4 LM
@@ -61,6 +61,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.backend = backend
         self.eos_ids = eos_ids
+        self._cost_models: dict[tuple, CostModel] = {}
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -136,9 +137,20 @@ class Engine:
         if speculative and self.draft is not None and max_new_tokens > 1:
             be = self.backend
             yield from speculative_tokens(be, first, max_new_tokens, params, dp, self.eos_ids,
-                                          be.draft_bytes / be.target_bytes, stats)
+                                          self._cost_model(dp, params.greedy), stats)
         else:
             yield from self._plain(first, max_new_tokens, params, stats)
+
+    def _cost_model(self, dp: DraftParams, greedy: bool) -> CostModel | None:
+        """draft_max="auto": one cost model per draft setting for the engine's life, so that what
+        one generation measured (step costs, acceptance) serves the next."""
+        if dp.draft_max != "auto":
+            return None
+        key = (dp.k_cap, dp.draft_min, greedy)
+        if key not in self._cost_models:
+            be = self.backend
+            self._cost_models[key] = CostModel(be.draft_bytes / be.target_bytes, dp.k_cap, dp.draft_min)
+        return self._cost_models[key]
 
     def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> torch.Tensor:
         """Fill the cache with the prompt's rows; the logits of its last position.

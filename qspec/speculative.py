@@ -50,14 +50,19 @@ class DraftParams:
 class CostModel:
     """Chooses K to maximise expected tokens per second (docs/benchmarking.md: speedup = tau / (K c + v(K))).
 
-    Everything is measured in this run, in seconds: t_d (one draft step) and t_v(M) (one
-    M-row verify; a least-squares line through the row counts seen so far), and the acceptance
-    of each draft position j given that positions 1..j-1 were accepted, a_j (decayed counts;
-    a position not tried yet takes the estimate of the one before it). Acceptance is bursty —
-    a draft that got j tokens right is in an easy stretch and likely to get the next one too —
-    so a_j grows with j, and one pooled per-token rate would under-rate long drafts.
-    tau(K) = 1 + sum_{k<=K} prod_{j<=k} a_j; the K with the highest tau(K) / (K t_d + t_v(K+1))
-    wins. The first steps try a few K values so that t_v has points to fit.
+    Everything is measured on this machine, in seconds, and kept across generations (the engine
+    holds one model per draft setting): t_d (one draft step) and the verify curve t_v(M) (an
+    EMA per row count M seen; between seen counts it is interpolated piecewise-linearly, beyond
+    them extended with the slope of the last two points), and the acceptance of each draft
+    position j given that positions 1..j-1 were accepted, a_j (decayed counts; a position not
+    tried yet takes the estimate of the one before it). Acceptance is bursty — a draft that got
+    j tokens right is in an easy stretch and likely to get the next one too — so a_j grows with
+    j, and one pooled per-token rate would under-rate long drafts. The verify cost is not a
+    line: on AVX2 a few rows ride on the weight stream and then every row costs FMAs, with AMX
+    tiles 16 rows cost about one. tau(K) = 1 + sum_{k<=K} prod_{j<=k} a_j; the K with the highest
+    tau(K) / (K t_d + t_v(K+1)) wins. The first steps try a few K values so that t_v has points;
+    after that, when the best K's neighbour K+1 was never verified, it is tried once, so the
+    curve is measured where the choice is made.
     """
 
     DECAY = 0.97  # ~30-step memory: acceptance drifts with the text being written
@@ -97,18 +102,19 @@ class CostModel:
         return out
 
     def verify_seconds(self, m: int) -> float:
-        pts = sorted(self.t_verify.items())
+        """t_v(m): measured, else interpolated between the nearest measured row counts, else
+        extended from the two nearest (never decreasing with m; one point: +10% per row)."""
         if m in self.t_verify:
             return self.t_verify[m]
-        if len(pts) == 1:  # one point: assume verify cost grows 10% per extra row
+        pts = sorted(self.t_verify.items())
+        if len(pts) == 1:
             m0, t0 = pts[0]
             return t0 * max(0.1, 1 + 0.1 * (m - m0))
-        n = len(pts)
-        mx = sum(p[0] for p in pts) / n
-        my = sum(p[1] for p in pts) / n
-        sxx = sum((p[0] - mx) ** 2 for p in pts)
-        slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx)
-        return max(1e-9, my + slope * (m - mx))
+        lo = [p for p in pts if p[0] < m]
+        hi = [p for p in pts if p[0] > m]
+        (m0, t0), (m1, t1) = (lo[-1], hi[0]) if lo and hi else (pts[-2], pts[-1]) if lo else (pts[0], pts[1])
+        slope = max(0.0, (t1 - t0) / (m1 - m0))
+        return max(1e-9, t0 + slope * (m - m0))
 
     def choose(self) -> int:
         if self._explore or not self.t_verify:
@@ -123,6 +129,8 @@ class CostModel:
                 rate = tau / (k * t_d + self.verify_seconds(k + 1))
                 if rate > best:
                     best_k, best = k, rate
+        if best_k < self.k_max and best_k + 2 not in self.t_verify:
+            return best_k + 1  # the curve just past the choice was never measured: measure it
         return best_k
 
 
@@ -146,12 +154,12 @@ def _accept_sampled(drafts: list[int], qs: list[torch.Tensor], p_rows: torch.Ten
 
 
 def speculative_tokens(backend, first_logits: torch.Tensor, max_new: int, params: SamplingParams,
-                       dp: DraftParams, eos_ids: set[int], byte_ratio: float,
+                       dp: DraftParams, eos_ids: set[int], cost: CostModel | None,
                        stats: dict[str, float]) -> Iterator[int]:
-    """Yields new tokens after a target prefill whose last-row logits are `first_logits`."""
+    """Yields new tokens after a target prefill whose last-row logits are `first_logits`.
+    `cost` (draft_max="auto") picks K each step and learns from it; None drafts dp.k_cap."""
     kv = backend.kv
     gen = None if params.greedy else params.generator()
-    cost = CostModel(byte_ratio, dp.k_cap, dp.draft_min) if dp.draft_max == "auto" else None
     drafted = accepted = steps = 0
     draft_s = verify_s = 0.0
     t_start = time.perf_counter()

@@ -231,6 +231,47 @@ def test_cost_model_picks_k_from_measurements():
     assert costly.choose() == 1
 
 
+def test_cost_model_follows_the_verify_curve():
+    """Verify flat up to 5 rows, then steep (AVX2-like): the best K is 4, which a line through
+    the measured points misjudges; a flat curve (AMX-like) makes long drafts pay."""
+    import random
+
+    from qspec.speculative import CostModel
+
+    def best_after_training(verify, alpha=0.9, t_draft=0.1):
+        rng = random.Random(1)
+        cm = CostModel(byte_ratio=0.3, k_max=12, k_min=1)
+        for _ in range(300):
+            k = cm.choose()
+            a = 0
+            while a < k and rng.random() < alpha:
+                a += 1
+            cm.observe(k, a, k * t_draft, verify(k + 1))
+        return cm.choose(), cm
+
+    def rate(k, verify, alpha=0.9, t_draft=0.1):
+        return sum(alpha ** j for j in range(k + 1)) / (k * t_draft + verify(k + 1))
+
+    knee = lambda m: 1.0 if m <= 5 else 1.0 + 0.6 * (m - 5)  # noqa: E731
+    k, cm = best_after_training(knee)
+    assert k == max(range(1, 13), key=lambda k: rate(k, knee)) == 4
+    assert cm.verify_seconds(5) == 1.0 and cm.verify_seconds(6) > 1.5  # measured, not a fitted line
+    flat = lambda m: 1.0 + 0.01 * (m - 1)  # noqa: E731
+    k, _ = best_after_training(flat)
+    assert k >= 8
+
+
+def test_auto_k_remembers_costs_across_generations(default_model_dir):
+    eng = engine_for(default_model_dir, "mxfp4")
+    p = dev_prompts()[3]
+    eng.generate(p, max_new_tokens=24)  # draft_max="auto" by default for greedy
+    (cm,) = [c for key, c in eng._cost_models.items() if key[2]]
+    seen = dict(cm.t_verify)
+    assert seen and cm.t_draft is not None
+    eng.generate(dev_prompts()[4], max_new_tokens=24)
+    assert eng._cost_models[next(k for k in eng._cost_models if k[2])] is cm and set(seen) <= set(cm.t_verify)
+
+
 def test_default_draft_follows_model_size(default_model_dir):
     """draft="auto": MXFP6-E2M3 below SMALL_MODEL_PARAMS GEMM weights, MXFP4 (own LM head) above
     (measured: README, "Choosing the draft")."""
