@@ -11,6 +11,9 @@ of the weight to exceed the last-level cache, so bytes really come from DRAM (as
               before and after the round, and of every kernel's rate in the round); the median
               over rounds, with min / max (pct_min, pct_max)
   vs_torch  = torch time / our time (> 1: we are faster)
+Each line names the GEMM path it timed; `*` marks the path the dispatcher takes for that M
+(gemm_choose: e.g. amx for BF16 at every M on an AMX machine). The summary gives, per shape and
+format, the dispatcher's path(s) over M <= 64 (one path: batch invariance) and v(M) = M / M=1 time.
 
 `--shapes 1536x576,4096x4096` benchmarks just those N x K shapes (model "custom");
 `--no-torch` skips the torch baseline. A/B against a saved build of the extension: set
@@ -152,7 +155,8 @@ def run(args) -> list[dict]:
                                "us_torch": ts * 1e6, "vs_torch": ts / s}
                         rows.append(row)
                         out.write(row)
-                        print(f"{mdl:13s} {lay:8s} {fmt:11s} {p:6s} M={m:<4d} {n:6d}x{k:<6d} "
+                        mark = "*" if row["chosen"] else " "
+                        print(f"{mdl:13s} {lay:8s} {fmt:11s} {p:11s}{mark} M={m:<4d} {n:6d}x{k:<6d} "
                               f"{s * 1e6:9.1f} us {gbps:6.1f} GB/s {row['pct_of_bw']:5.0f}% "
                               f"[{pct['min']:3.0f}..{pct['max']:3.0f}] of {fl['median']:5.1f} "
                               f"{row['tflops'] * 1e3:6.1f} GFLOP/s  torch {row['us_torch']:9.1f} us "
@@ -165,7 +169,7 @@ def run(args) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> None:
-    """M=8 / M=1 time ratio per (shape, format) for the dispatcher's path."""
+    """Per (shape, format): the dispatcher's path(s) for M <= 64, M=1 speed, M / M=1 time ratios."""
     by = {}
     for r in rows:
         if r["chosen"]:
@@ -173,14 +177,15 @@ def summarize(rows: list[dict]) -> None:
     table = []
     for (mdl, lay, fmt), d in by.items():
         if 1 in d:
-            table.append({"model": mdl, "layer": lay, "fmt": fmt, "path": d[1]["path"],
+            paths = sorted({r["path"] for m, r in d.items() if m <= 64})
+            table.append({"model": mdl, "layer": lay, "fmt": fmt, "path": "/".join(paths),
                           "M1_us": d[1]["us_median"], "M1_pct_bw": d[1]["pct_of_bw"],
                           "M1_vs_torch": d[1]["vs_torch"],
                           **{f"M{m}/M1": d[m]["us_median"] / d[1]["us_median"] if m in d else float("nan")
-                             for m in (2, 3, 4, 5, 8)}})
+                             for m in (2, 4, 8, 16, 64)}})
     print()
     print(fmt_table(table, ["model", "layer", "fmt", "path", "M1_us", "M1_pct_bw", "M1_vs_torch",
-                            "M2/M1", "M3/M1", "M4/M1", "M5/M1", "M8/M1"]))
+                            "M2/M1", "M4/M1", "M8/M1", "M16/M1", "M64/M1"]))
 
 
 def plot(rows: list[dict], path: str, ctx: dict) -> None:

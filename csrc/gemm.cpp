@@ -342,8 +342,8 @@ bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
     case GemmPath::avx2: return isa >= int(Isa::avx2);
     case GemmPath::avx512: return isa >= int(Isa::avx512);
     case GemmPath::avx512_bf16: return isa >= int(Isa::avx512_bf16) && w.fmt == WFormat::bf16;
-    // Tiles pay only for prefill; decode/verify (M <= 64) never changes path (gemm.h).
-    case GemmPath::amx: return isa >= int(Isa::amx) && w.fmt == WFormat::bf16 && m > 64;
+    // Tiles for every M of BF16 weights: decode, verify and prefill share one path (gemm.h).
+    case GemmPath::amx: return isa >= int(Isa::amx) && w.fmt == WFormat::bf16;
   }
   return false;
 }
@@ -393,7 +393,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
     a.xd = xd.data();
     a.xc = xc.data();
   } else if (bf16_act) {
-    a.mpad = p == GemmPath::amx ? rup(m, 16) : m;
+    a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
     xbf.assign(size_t(a.mpad * a.kp), 0);
     for (int64_t i = 0; i < m; ++i)
       for (int64_t c = 0; c < w.k; ++c) {  // fp32 -> bf16 round to nearest even

@@ -22,7 +22,14 @@
 // Arithmetic (what every path computes; `ref` spells it out in scalar code):
 //   bf16          y = fma chain over k ascending (x fp32, +0 start). avx2 / avx512 / ref are
 //                 bit-identical. avx512_bf16 rounds x to bf16 (RNE) and uses vdpbf16ps over k
-//                 pairs; amx uses tdpbf16ps: both agree with ref only to a tolerance.
+//                 pairs; amx rounds x alike and accumulates each y in an fp32 C tile (zeroed)
+//                 with one tdpbf16ps per 32 k, k ascending, over all of K: both agree with ref
+//                 only to a tolerance.
+//
+// Paths per ISA level (gemm_choose). The amx level serves BF16 weights with tiles at every M
+// (decode, verify and prefill: each C row comes from its own x row only, so a row's bits do not
+// depend on M); the MX formats are not BF16 and keep the avx512 paths there. Below the amx level
+// every M takes that level's path for the format (BF16: avx512_bf16, avx512 or avx2).
 //   mxfp4         x quantized per 32-block to int8 (Q8: d = max|x|/127, q = rne(x/d)); per block
 //                 the exact integer dot sum(2*e2m1 * q) then y = fma(float(isum), e8m0*d/2, y).
 //                 Every path is bit-identical to ref.

@@ -44,7 +44,7 @@ struct GemmArgs {
   const float* xd = nullptr;    // Q8 scale * 0.5 (E2M1 codes are held doubled; kQ6: * elem_factor)
   const int32_t* xc = nullptr;  // 12 * sum(q): the LUT adds 12 so codes are unsigned
   const uint16_t* xbf = nullptr;  // x rounded to bf16, [mpad][kp] (avx512_bf16 / amx)
-  int64_t mpad = 0;
+  int64_t mpad = 0;               // rows of xbf: M, or for amx M > 1 rounded up to 16 (zero rows)
   float* y = nullptr;
   int64_t ldy = 0;
   int64_t prefetch = 0;  // software prefetch distance in bytes of a row block's stream (0: default)

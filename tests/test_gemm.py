@@ -143,6 +143,8 @@ def test_paths_and_dispatch():
         chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}
         assert len(chosen) == 1, chosen
         assert chosen.pop() in _C.gemm_paths(w, 1)
+        if info["isa_selected"] == "amx":  # tiles for BF16 weights at every M; MX keeps its paths
+            assert _C.gemm_choose(w, 1) == _C.gemm_choose(w, 65) == ("amx" if fmt == "bf16" else "avx512")
     assert isinstance(_C.PACK_LAYOUT_VERSION, int)
 
 
@@ -365,6 +367,22 @@ def test_batch_invariance(fmt, rng):
     n, k = 72, 160  # several row blocks, ragged N tail
     pw, _ = make_weight(rng, fmt, n, k)
     check_invariance(pw, k, rng)
+
+
+def test_amx_rows_same_for_decode_and_prefill(rng):
+    """The amx path computes every row alike at any M, prefill included (one TDPBF16PS per 32 k)."""
+    k = 160
+    pw, _ = make_weight(rng, "bf16", 72, k)
+    if "amx" not in paths_for(pw, 1):
+        pytest.skip("no amx level here")
+    row = rng.standard_normal((1, k)).astype(np.float32)
+    alone = _C.gemm(pw, row, path="amx")
+    for m in (16, 48, 65, 97, 130):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        for i in {0, 16, m // 2, m - 1} - {m}:
+            xi = x.copy()
+            xi[i] = row[0]
+            np.testing.assert_array_equal(_C.gemm(pw, xi, path="amx")[i], alone[0], err_msg=f"m={m} row={i}")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])

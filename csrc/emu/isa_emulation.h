@@ -124,11 +124,15 @@ inline float bf16_at(const uint8_t* row, int i) {
 }
 
 // C[m][n] += A.bf16[m][2k] * B.bf16[k][2n] + A.bf16[m][2k+1] * B.bf16[k][2n+1], k ascending.
+// Row m of C reads only row m of A (and all of B): the configured row count never changes a
+// row's result. Shapes the hardware rejects (#UD) are rejected here too.
 inline void tile_dpbf16ps(int c, int a, int b) {
   check_tile(c);
   check_tile(a);
   check_tile(b);
   TileRegs& r = tiles();
+  if (r.rows[c] != r.rows[a] || r.colsb[c] != r.colsb[b] || r.colsb[a] % 4 != 0 || r.colsb[a] / 4 != r.rows[b])
+    throw std::logic_error("emulated AMX: tdpbf16ps tile shapes disagree");
   for (int m = 0; m < r.rows[c]; ++m) {
     float acc[16];
     std::memcpy(acc, r.data[c][m], 64);
