@@ -110,6 +110,9 @@ def controller_share(eng, prompts: list[str], n_new: int) -> dict:
         eng.generate(p, max_new_tokens=n_new)
         model.profile_reset()
         s = eng.generate(p, max_new_tokens=n_new).stats
+        if not s["cached_prompt_tokens"]:
+            raise SystemExit("bench: error: the second run of a prompt was prefilled again; "
+                             "its profile would not be the decode alone")
         decode += s["decode_s"]
         phases += s["draft_s"] + s["verify_s"]
         native += model.profile()["total_s"]

@@ -160,7 +160,7 @@ class Model {
   enum GemmKind { kQkv, kO, kGateUp, kDown, kLmHead, kGemmKinds };
   static constexpr const char* kGemmKindNames[kGemmKinds] = {"qkv", "o", "gate_up", "down", "lm_head"};
   struct GemmProfile {
-    double wall = 0, prep = 0, idle = 0, idle_thread = 0;  // RegionTiming: idle (wall share) / thread-seconds
+    double wall = 0, prep = 0, idle = 0, idle_thread = 0;  // idle: its share of the wall; idle_thread: thread-s
   };
   struct Profile {
     GemmProfile gemm[kGemmKinds];
@@ -259,7 +259,6 @@ class Model {
     const int64_t first = all_logits ? 0 : m - 1, rows = m - first;
     for (int64_t r = first; r < m; ++r) rms_norm(&h_[r * d_], norm_.data(), eps_, d_, &x_[(r - first) * d_]);
     timed_gemm(kLmHead, *ws.lm_head, x_.data(), d_, logits, vocab_, rows);
-    lap(prof_.rowwise);  // nothing after the LM head: this closes the last piece
     prof_.total += seconds_between(t_start, t);
     prof_.calls += 1;
   }
