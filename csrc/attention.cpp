@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "profile.h"
 
 namespace qspec {
 
@@ -109,16 +110,25 @@ namespace {
 void run_ref(const AttnArgs& a) {
   const int64_t units = a.m * a.n_heads;
   const int64_t max_keys = a.start_pos + a.m;  // longest row: p = start_pos + m - 1
+  const auto t_region = ProfClock::now();
+  double busy_thread_s = 0;
+  int team = 1;
 #pragma omp parallel
   {
+    const auto t_work = ProfClock::now();
     // Per-thread scratch for one row's scores; grows to the longest context seen, kept across
     // calls (OpenMP worker threads persist), so decode steps do not allocate.
     thread_local std::vector<float> scratch;
     if (int64_t(scratch.size()) < max_keys + 16) scratch.resize(max_keys + 16);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t u = 0; u < units; ++u)
       attn_row_head_ref(a, u / a.n_heads, u % a.n_heads, scratch.data());
+    const double busy = seconds_between(t_work, ProfClock::now());
+#pragma omp atomic
+    busy_thread_s += busy;
+    if (omp_get_thread_num() == 0) team = omp_get_num_threads();
   }
+  attn_timing().add(seconds_between(t_region, ProfClock::now()), busy_thread_s, team);
 }
 
 // Combines the segments of pair (row, head), p = start_pos + row >= kAttnSegKeys, in order:
@@ -203,20 +213,40 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
       merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
     return;
   }
+  const auto t_region = ProfClock::now();
+  double busy_thread_s = 0;
+  int team = 1;
 #pragma omp parallel
   {
-#pragma omp for schedule(dynamic, 1)
+    // Each thread times its own work; the barriers (explicit here, so the waits stay outside
+    // that time) are where it idles.
+    const auto t_units = ProfClock::now();
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t w = 0; w < nu; ++w) run_unit(w);
+    double busy = seconds_between(t_units, ProfClock::now());
     if (merged > 0) {
+#pragma omp barrier
+      // every unit is done before any pair is merged
+      const auto t_merge = ProfClock::now();
       std::vector<float> ws(max_seg);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
       for (int64_t x = 0; x < merged; ++x)
         merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
+      busy += seconds_between(t_merge, ProfClock::now());
     }
+#pragma omp atomic
+    busy_thread_s += busy;
+    if (omp_get_thread_num() == 0) team = omp_get_num_threads();
   }
+  attn_timing().add(seconds_between(t_region, ProfClock::now()), busy_thread_s, team);
 }
 
 }  // namespace
+
+RegionTiming& attn_timing() {
+  thread_local RegionTiming t;
+  return t;
+}
 
 void attention_path(AttnPath p, const AttnArgs& a) {
   if (!attn_supports(p, a))

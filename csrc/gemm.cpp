@@ -17,6 +17,7 @@
 
 #include "bindings.h"
 #include "gemm_internal.h"
+#include "profile.h"
 
 namespace qspec {
 
@@ -354,8 +355,14 @@ GemmPath gemm_choose(const PackedWeight& w, int64_t m) {
   return GemmPath::ref;
 }
 
+GemmTiming& gemm_timing() {
+  thread_local GemmTiming t;
+  return t;
+}
+
 void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y,
                int64_t ldy) {
+  const auto t_enter = ProfClock::now();
   if (!gemm_supports(p, w, m))
     throw std::invalid_argument(std::string("GEMM path '") + gemm_path_name(p) +
                                 "' is not usable here (isa_selected=" + isa_name(isa_selected()) +
@@ -436,14 +443,20 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   threads = int(std::min<int64_t>(threads, nblk));
   const int64_t scratch = m * detail::kAccCols;
   std::vector<float> acc(size_t(scratch * threads));
+  GemmTiming& timing = gemm_timing();
+  const auto t_region = ProfClock::now();
+  timing.prep_s += seconds_between(t_enter, t_region);
   if (threads == 1) {
     kernel(a, 0, nblk, acc.data());
     return;
   }
   constexpr int64_t kGroup = 4;
   std::atomic<int64_t> next{0};
+  double busy_thread_s = 0;
+  int team = threads;
 #pragma omp parallel num_threads(threads)
   {
+    const auto t_work = ProfClock::now();
     float* my_acc = acc.data() + omp_get_thread_num() * scratch;
     int64_t start = next.load(std::memory_order_relaxed);
     while (start < nblk) {
@@ -454,7 +467,12 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
         start = next.load(std::memory_order_relaxed);
       }  // else: start now holds the current counter; try again from there
     }
+    const double busy = seconds_between(t_work, ProfClock::now());
+#pragma omp atomic
+    busy_thread_s += busy;
+    if (omp_get_thread_num() == 0) team = omp_get_num_threads();
   }
+  timing.region.add(seconds_between(t_region, ProfClock::now()), busy_thread_s, team);
 }
 
 void gemm(const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy) {

@@ -10,7 +10,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -22,6 +21,7 @@
 #include "bindings.h"
 #include "gemm.h"
 #include "model_ops.h"
+#include "profile.h"
 
 namespace py = pybind11;
 
@@ -151,10 +151,20 @@ class Model {
     return sets_[set].complete(n_layers_);
   }
 
-  // Seconds spent per phase since the last reset (GEMM, attention, everything else in forward):
-  // the host overhead outside the kernels, measured rather than guessed.
+  // Where forward()'s time goes since the last reset (seconds, summed over calls): the host
+  // overhead outside the kernels and the kernels' own overheads, measured rather than guessed.
+  // One clock read at each boundary between pieces cuts a forward into consecutive pieces, so
+  // they add up to its total: each GEMM (wall time; of it, the activation preparation and the
+  // idle share of its parallel region), attention (of it, the idle share), and the row-wise rest
+  // between them (embedding, norms, RoPE + K/V row writes, SiLU*up, residual adds).
+  enum GemmKind { kQkv, kO, kGateUp, kDown, kLmHead, kGemmKinds };
+  static constexpr const char* kGemmKindNames[kGemmKinds] = {"qkv", "o", "gate_up", "down", "lm_head"};
+  struct GemmProfile {
+    double wall = 0, prep = 0, idle = 0, idle_thread = 0;  // idle: its share of the wall; idle_thread: thread-s
+  };
   struct Profile {
-    double gemm = 0, attention = 0, total = 0;
+    GemmProfile gemm[kGemmKinds];
+    double attention = 0, attention_idle = 0, attention_idle_thread = 0, rowwise = 0, total = 0;
     int64_t calls = 0;
   };
   const Profile& profile() const { return prof_; }
@@ -163,12 +173,24 @@ class Model {
   // tokens [m] at positions start_pos..; logits [m or 1, vocab].
   void forward(const int32_t* tokens, int64_t m, int64_t start_pos, const KvCacheView& kv, int set,
                bool all_logits, float* logits) {
-    using clock = std::chrono::steady_clock;
-    const auto t_start = clock::now();
-    auto timed_gemm = [&](const PackedWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t rows) {
-      const auto t0 = clock::now();
+    const auto t_start = ProfClock::now();
+    auto t = t_start;  // the last boundary between profile pieces
+    auto lap = [&](double& piece) {
+      const auto now = ProfClock::now();
+      piece += seconds_between(t, now);
+      t = now;
+    };
+    auto timed_gemm = [&](GemmKind kind, const PackedWeight& w, const float* x, int64_t ldx, float* y,
+                          int64_t ldy, int64_t rows) {
+      lap(prof_.rowwise);  // everything since the last kernel
+      GemmTiming& timing = gemm_timing();
+      timing = GemmTiming();
       gemm(w, x, rows, ldx, y, ldy);
-      prof_.gemm += std::chrono::duration<double>(clock::now() - t0).count();
+      GemmProfile& g = prof_.gemm[kind];
+      lap(g.wall);
+      g.prep += timing.prep_s;
+      g.idle += timing.region.idle_s;
+      g.idle_thread += timing.region.idle_thread_s;
     };
     const WeightSet& ws = sets_[set];
     const int64_t qkv_n = (n_heads_ + 2 * n_kv_) * hd_, q_n = n_heads_ * hd_, kv_n = n_kv_ * hd_;
@@ -190,7 +212,7 @@ class Model {
       const LayerSet& L = ws.layers[l];
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]);
-      timed_gemm(*L.wqkv, x_.data(), d_, qkv_.data(), qkv_n, m);
+      timed_gemm(kQkv, *L.wqkv, x_.data(), d_, qkv_.data(), qkv_n, m);
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) {
         float* row = &qkv_[r * qkv_n];
@@ -217,23 +239,27 @@ class Model {
       a.layer = l;
       a.scale = 1.0f / std::sqrt(float(hd_));
       a.kv = kv;
-      const auto t_att = clock::now();
+      lap(prof_.rowwise);
+      RegionTiming& attn_idle = attn_timing();
+      attn_idle = RegionTiming();
       attention(a);
-      prof_.attention += std::chrono::duration<double>(clock::now() - t_att).count();
-      timed_gemm(*L.wo, att_.data(), q_n, tmp_.data(), d_, m);
+      lap(prof_.attention);
+      prof_.attention_idle += attn_idle.idle_s;
+      prof_.attention_idle_thread += attn_idle.idle_thread_s;
+      timed_gemm(kO, *L.wo, att_.data(), q_n, tmp_.data(), d_, m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]);
-      timed_gemm(*L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
+      timed_gemm(kGateUp, *L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
 #pragma omp parallel for if (m >= kParallelRows)
       for (int64_t r = 0; r < m; ++r) silu_mul(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_);
-      timed_gemm(*L.wdown, act_.data(), f_, tmp_.data(), d_, m);
+      timed_gemm(kDown, *L.wdown, act_.data(), f_, tmp_.data(), d_, m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }
     const int64_t first = all_logits ? 0 : m - 1, rows = m - first;
     for (int64_t r = first; r < m; ++r) rms_norm(&h_[r * d_], norm_.data(), eps_, d_, &x_[(r - first) * d_]);
-    timed_gemm(*ws.lm_head, x_.data(), d_, logits, vocab_, rows);
-    prof_.total += std::chrono::duration<double>(clock::now() - t_start).count();
+    timed_gemm(kLmHead, *ws.lm_head, x_.data(), d_, logits, vocab_, rows);
+    prof_.total += seconds_between(t_start, t);
     prof_.calls += 1;
   }
 
@@ -295,13 +321,35 @@ void bind_model(py::module_& m) {
       .def("profile", [](const Model& self) {
         const auto& p = self.profile();
         py::dict d;
-        d["gemm_s"] = p.gemm;
+        double gemm = 0, prep = 0, idle = 0, idle_thread = 0;
+        for (int k = 0; k < Model::kGemmKinds; ++k) {
+          const auto& g = p.gemm[k];
+          const std::string name = std::string("gemm_") + Model::kGemmKindNames[k];
+          d[py::str(name + "_s")] = g.wall;
+          d[py::str(name + "_prep_s")] = g.prep;
+          d[py::str(name + "_idle_s")] = g.idle;
+          gemm += g.wall;
+          prep += g.prep;
+          idle += g.idle;
+          idle_thread += g.idle_thread;
+        }
+        d["gemm_s"] = gemm;
+        d["gemm_prep_s"] = prep;
+        d["gemm_idle_s"] = idle;
+        d["gemm_idle_thread_s"] = idle_thread;
         d["attention_s"] = p.attention;
-        d["other_s"] = p.total - p.gemm - p.attention;
+        d["attention_idle_s"] = p.attention_idle;
+        d["attention_idle_thread_s"] = p.attention_idle_thread;
+        d["rowwise_s"] = p.rowwise;
+        d["other_s"] = p.total - gemm - p.attention;  // = rowwise_s up to rounding (older name)
         d["total_s"] = p.total;
         d["calls"] = p.calls;
         return d;
-      }, "seconds in GEMM, attention and the rest of forward() since profile_reset()")
+      }, "seconds of forward() by piece since profile_reset(): gemm_{qkv,o,gate_up,down,lm_head}_s (wall; "
+         "of each, _prep_s activation preparation and _idle_s the idle share of its parallel region), "
+         "gemm_s / gemm_prep_s / gemm_idle_s their sums, gemm_idle_thread_s idle thread-seconds, "
+         "attention_s (attention_idle_s, attention_idle_thread_s), rowwise_s, other_s (= total - gemm - "
+         "attention), total_s, calls")
       .def("profile_reset", &Model::profile_reset)
       .def(
           "forward",

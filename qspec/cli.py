@@ -12,7 +12,7 @@ from .draft import DRAFT_FORMATS
 from .errors import QspecError
 from .speculative import DRAFT_MAX_LIMIT
 
-BENCHMARKS = ("membw", "kernels", "decode", "e2e", "peer")  # modules of qspec.bench (bench/ in the source tree)
+BENCHMARKS = ("membw", "kernels", "decode", "e2e", "breakdown", "peer")  # modules of qspec.bench (bench/ in the source tree)
 
 
 def _positive_int(s: str) -> int:
