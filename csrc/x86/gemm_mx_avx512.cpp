@@ -70,17 +70,18 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
     __m512 c[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) c[i][j] = _mm512_setzero_ps();
-    for (int64_t k = b * kKBlk; k < (b + 1) * kKBlk; k += 2) {
-      if (k % 4 == 0)  // one prefetch per 64-byte line of each stream
-        for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(w[j] + k * kRows + a.prefetch), _MM_HINT_T0);
-      __m512 v[NB][2];
-      for (int j = 0; j < NB; ++j) decode_pair<KIND>(w[j] + k * kRows, v[j][0], v[j][1]);
-      for (int i = 0; i < MB; ++i) {
-        const __m512 x0 = _mm512_set1_ps(x[i][k]);
-        for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(v[j][0], x0, c[i][j]);
-        const __m512 x1 = _mm512_set1_ps(x[i][k + 1]);
-        for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(v[j][1], x1, c[i][j]);
+    for (int64_t k4 = b * kKBlk; k4 < (b + 1) * kKBlk; k4 += 4) {  // one 64-byte line per stream
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + k4 * kRows + a.prefetch), _MM_HINT_T0);
+      for (int64_t k = k4; k < k4 + 4; k += 2) {
+        __m512 v[NB][2];
+        for (int j = 0; j < NB; ++j) decode_pair<KIND>(w[j] + k * kRows, v[j][0], v[j][1]);
+        for (int i = 0; i < MB; ++i) {
+          const __m512 x0 = _mm512_set1_ps(x[i][k]);
+          for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(v[j][0], x0, c[i][j]);
+          const __m512 x1 = _mm512_set1_ps(x[i][k + 1]);
+          for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(v[j][1], x1, c[i][j]);
+        }
       }
     }
     for (int j = 0; j < NB; ++j) {
@@ -165,9 +166,10 @@ using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, flo
 constexpr int kFpMaxMB = 16, kFpMaxNB = 4, kQ6MaxMB = 8;
 constexpr int64_t kL1Bytes = 32768;  // K-chunk budget when several row tiles re-read weights
 
-// Row blocks per tile for MB rows: enough FMA chains (MB * NB >= 4) with one row of x, at most
-// 16 accumulators, and the fewest weight streams that achieve that.
-constexpr int fp_blocks_for(int mb) { return mb <= 2 ? 4 : mb <= 7 ? 2 : 1; }
+// Row blocks per tile of MB rows: at least 8 independent FMA chains (MB * NB) from two rows of x
+// on, 4 with one row (whose decode work per k pair already spans the FMA latency), at most 16
+// accumulators, and the fewest weight streams that achieve that.
+constexpr int fp_blocks_for(int mb) { return mb <= 3 ? 4 : mb <= 7 ? 2 : 1; }
 
 template <int KIND, int I>
 constexpr TileFn fp_entry() {
