@@ -55,6 +55,7 @@ struct GemmArgs {
 void gemm_blocks_ref(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_avx2(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+void gemm_blocks_mx_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ6, byte codes
 void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 

@@ -306,6 +306,19 @@ def test_paths_match_ref_awkward_shapes(fmt, rng):
             assert_close_to_ref(p, pw.fmt, _C.gemm(pw, x, path=p), yref, x, w)
 
 
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_paths_match_ref_every_decode_m(fmt, rng):
+    """Every register tile of the decode / verify range: M = 1..17 (one row tile up to 16 rows,
+    then two), 33 (K chunked for L1), ragged N (a group of row blocks cut short) and padded K."""
+    for n, k in [(72, 100), (40, 1000)]:
+        pw, w = make_weight(rng, fmt, n, k)
+        for m in list(range(1, 18)) + [33]:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            yref = _C.gemm(pw, x, path="ref")
+            for p in paths_for(pw, m)[1:]:
+                assert_close_to_ref(p, pw.fmt, _C.gemm(pw, x, path=p), yref, x, w)
+
+
 REAL_SHAPES = [(1536, 576), (576, 1536), (49152, 576)]  # SmolLM2-135M up/down, LM head
 
 

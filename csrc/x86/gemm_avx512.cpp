@@ -1,6 +1,7 @@
 // AVX-512 GEMM kernels (compiled with AVX-512F/BW/VL/DQ + AVX512-BF16; chosen at run time).
-//   avx512       one zmm = the 16 rows of a packed block; same FMA chains as ref (gemm.h),
-//                so bit-identical to ref and avx2 for every format.
+//   avx512       one zmm = the 16 rows of a packed block; same arithmetic as ref (gemm.h),
+//                so bit-identical to ref and avx2 for every format. BF16 and MXFP4 here, the
+//                other MX formats in gemm_mx_avx512.cpp.
 //   avx512_bf16  BF16 weights only: x rounded to bf16 by the driver, vdpbf16ps per k pair
 //                (one chain per output element over k pairs: batch invariant).
 // Not yet run on AVX-512 hardware: tested against ref under emulation (tests/test_isa_emulation.py).
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gemm_avx512.h"
 #include "gemm_internal.h"
 
 namespace qspec {
@@ -18,23 +20,9 @@ namespace {
 
 constexpr int64_t kPrefetchK = 32;
 
-inline float* acc_row(float* acc, int64_t i) { return acc + i * kAccCols; }
-
-inline void store_rows(const GemmArgs& a, int64_t nb, int nbn, const float* acc) {
-  const int64_t left = a.n - nb * kRows;
-  const int64_t cols = left < nbn * kRows ? left : nbn * kRows;
-  for (int64_t i = 0; i < a.m; ++i)
-    std::memcpy(a.y + i * a.ldy + nb * kRows, acc + i * kAccCols, size_t(cols) * 4);
-}
-
-// 16 E8M0 bytes -> 2^(s-127); 0x00 -> 2^-127, 0xFF -> NaN (as ref / avx2).
-inline __m512 e8m0x16(const uint8_t* p) {
-  const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m512i bits = _mm512_slli_epi32(s, 23);
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(bits);
-}
+using avx512::acc_row;
+using avx512::e8m0x16;
+using avx512::store_rows;
 
 // ----------------------------------------------------------------------------- BF16, fp32 x
 template <int MB, int NB>
@@ -93,54 +81,6 @@ void dpbf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t 
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_row(acc, m0 + i) + j * 16, c[i][j]);
-}
-
-// ----------------------------------------------------------------------------- FP6/FP8/INT8
-template <int KIND>
-inline __m512 decode16(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if (KIND == kI8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
-  if (KIND == kF16Sra) h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(int16_t(0xBFFF)));
-  return _mm512_cvtph_ps(h);
-}
-
-template <int KIND, int MB, int NB>
-void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
-  const int64_t kb = a.kp / kKBlk;
-  if (init)
-    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
-  const uint8_t* w[NB];
-  const uint8_t* s[NB];
-  for (int j = 0; j < NB; ++j) {
-    w[j] = a.data + (nb + j) * a.kp * kRows;
-    s[j] = a.scales + (nb + j) * kb * kRows;
-  }
-  const float* x[MB];
-  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
-  const __m512 f = _mm512_set1_ps(a.elem_factor);
-  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
-    __m512 c[MB][NB];
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) c[i][j] = _mm512_setzero_ps();
-    for (int j = 0; j < NB; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (b + 2) * kKBlk * kRows), _MM_HINT_T0);
-    for (int64_t k = b * kKBlk; k < (b + 1) * kKBlk; ++k) {
-      __m512 v[NB];
-      for (int j = 0; j < NB; ++j) v[j] = decode16<KIND>(w[j] + k * kRows);
-      for (int i = 0; i < MB; ++i) {
-        const __m512 xv = _mm512_set1_ps(x[i][k]);
-        for (int j = 0; j < NB; ++j) c[i][j] = _mm512_fmadd_ps(v[j], xv, c[i][j]);
-      }
-    }
-    for (int j = 0; j < NB; ++j) {
-      const __m512 d = e8m0x16(s[j] + b * kRows);
-      for (int i = 0; i < MB; ++i) {
-        float* pa = acc_row(acc, m0 + i) + j * 16;
-        _mm512_storeu_ps(pa, _mm512_fmadd_ps(_mm512_mul_ps(c[i][j], f), d, _mm512_loadu_ps(pa)));
-      }
-    }
-  }
 }
 
 // ----------------------------------------------------------------------------- MXFP4 (Q8)
@@ -227,9 +167,6 @@ struct TileTable {
 template <int MB, int NB> struct Bf16T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
 template <int MB, int NB> struct DpT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { dpbf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
 template <int MB, int NB> struct Q4T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
-template <int MB, int NB> struct ShlT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Shl, MB, NB>(a, nb, m0, k0, k1, acc, init); } };
-template <int MB, int NB> struct SraT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Sra, MB, NB>(a, nb, m0, k0, k1, acc, init); } };
-template <int MB, int NB> struct I8T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kI8, MB, NB>(a, nb, m0, k0, k1, acc, init); } };
 
 // Register budget (32 zmm): MB*NB accumulators; Q8 needs 2 int vectors per (row, block).
 void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const TileFn (*table)[kNB],
@@ -254,9 +191,6 @@ void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const T
 const TileTable<Bf16T>& bf16_table() { static const TileTable<Bf16T> t; return t; }
 const TileTable<DpT>& dp_table() { static const TileTable<DpT> t; return t; }
 const TileTable<Q4T>& q4_table() { static const TileTable<Q4T> t; return t; }
-const TileTable<ShlT>& shl_table() { static const TileTable<ShlT> t; return t; }
-const TileTable<SraT>& sra_table() { static const TileTable<SraT> t; return t; }
-const TileTable<I8T>& i8_table() { static const TileTable<I8T> t; return t; }
 
 }  // namespace
 
@@ -264,10 +198,7 @@ void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc)
   switch (a.kind) {
     case kBf16: run_blocks(a, nb0, nb1, acc, bf16_table().t, a.m == 1 ? 1 : 6, 32); break;
     case kQ4: run_blocks(a, nb0, nb1, acc, q4_table().t, 4, 16); break;
-    case kF16Shl: run_blocks(a, nb0, nb1, acc, shl_table().t, 6, 16); break;
-    case kF16Sra: run_blocks(a, nb0, nb1, acc, sra_table().t, 6, 16); break;
-    case kQ6: gemm_blocks_avx2(a, nb0, nb1, acc); break;  // no AVX-512 variant of the 6-bit layout yet
-    default: run_blocks(a, nb0, nb1, acc, i8_table().t, 6, 16); break;
+    default: gemm_blocks_mx_avx512(a, nb0, nb1, acc); break;  // kQ6, kF16Shl, kF16Sra, kI8
   }
 }
 
