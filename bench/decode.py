@@ -77,7 +77,7 @@ def real_model_run(eng, meter: FloorMeter, prompts: list[str], n_new: int, windo
     about window_s seconds with a floor sample between them: one pair per window. Appends each
     prompt's prefill to `prefills`."""
     be, cfg = eng.backend, eng.cfg
-    itemsize = be.kv.data.element_size()
+    itemsize = be.kv.data.itemsize
     rows = []
     with ForwardCounter(be) as fc:
         for j, prompt in enumerate(prompts):
@@ -126,7 +126,7 @@ def synthetic_run(be, meter: FloorMeter, pairs: int, window_s: float) -> list[di
             n += 1
         return n
 
-    bpt = be.target_bytes + kv_bytes_per_token(be.cfg, ctx + 1, be.kv.data.element_size())
+    bpt = be.target_bytes + kv_bytes_per_token(be.cfg, ctx + 1, be.kv.data.itemsize)
     return [{**pair_row(p, p.result / p.seconds, bpt), "steps": p.result}
             for p in meter.interleave(window for _ in range(pairs))]
 

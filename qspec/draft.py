@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from . import _C, mx
+from . import _C
 from .errors import DraftFileError
 
 DRAFT_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3")
@@ -52,12 +51,15 @@ class DraftSpec:
 CAST_ROWS = 4096  # rows cast at a time: the fp32 working copy of an LM head would be ~100 MB
 
 
-def pack_mx_matrix(w: torch.Tensor, fmt: str):
+def pack_mx_matrix(w, fmt: str):
     """BF16 [N, K] -> packed MX weights (direct cast per OCP MX v1.0, then repacked for the kernels).
 
     The cast is row-wise (blocks run along K), so casting CAST_ROWS rows at a time gives the same
     codes while keeping the transient fp32 copy small: the draft adds only its packed weights
-    to the peak memory, not a float copy of the largest matrix."""
+    to the peak memory, not a float copy of the largest matrix. `w`: a BF16 torch tensor
+    (qspec.mx, which imports torch, is needed only here)."""
+    from . import mx
+
     n, k = w.shape
     codes = scales = None
     for r0 in range(0, n, CAST_ROWS):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
-import torch
+import numpy as np
 
 from .config import ModelConfig
 from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
@@ -39,8 +40,9 @@ class Backend(Protocol):
     cfg: ModelConfig
     kv: KVCache
 
-    def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions start_pos.. (writing their K/V rows); logits [M or 1, V] fp32."""
+    def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False) -> np.ndarray:
+        """Run tokens at positions start_pos.. (writing their K/V rows); logits [M or 1, V] float32,
+        an array of the caller's own (the backend does not reuse it)."""
         ...
 
 
@@ -152,7 +154,7 @@ class Engine:
             self._cost_models[key] = CostModel(be.draft_bytes / be.target_bytes, dp.k_cap, dp.draft_min)
         return self._cost_models[key]
 
-    def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> torch.Tensor:
+    def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> np.ndarray:
         """Fill the cache with the prompt's rows; the logits of its last position.
 
         Decoding only writes rows after the prompt, so when the previous prefill was the same
@@ -163,17 +165,17 @@ class Engine:
             kv.length = len(ids)
             kv.ensure_capacity(capacity)
             stats.update(prompt_tokens=len(ids), prefill_s=0.0, cached_prompt_tokens=len(ids))
-            return kv.prompt_memo[1].clone()
+            return kv.prompt_memo[1].copy()
         kv.reset()
         kv.ensure_capacity(capacity)
         t0 = time.perf_counter()
         logits = self.backend.forward(ids, 0)[-1]
         kv.length = len(ids)
-        kv.prompt_memo = (key, logits.clone())
+        kv.prompt_memo = (key, logits.copy())
         stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0, cached_prompt_tokens=0)
         return logits
 
-    def _plain(self, logits: torch.Tensor, max_new: int, params: SamplingParams,
+    def _plain(self, logits: np.ndarray, max_new: int, params: SamplingParams,
                stats: dict[str, float]) -> Iterator[int]:
         """Plain autoregressive decoding after the prefill: one target forward per token."""
         kv = self.backend.kv
@@ -250,7 +252,8 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         _C.set_num_threads(threads)
-        torch.set_num_threads(threads)
+        if "torch" in sys.modules:  # else load_weights sets it if it reads the checkpoint with torch
+            sys.modules["torch"].set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
     spec = resolve_draft_spec(draft, draft_lm_head)
@@ -268,7 +271,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         if draft not in ("auto", None) and spec != file_spec:
             raise ValueError(f"--draft {draft} does not match the draft file's format {file_spec.fmt}")
         spec = file_spec
-    weights = load_weights(model_dir, cfg)
+    weights = load_weights(model_dir, cfg, torch_threads=threads)
     if backend == "torch":
         from .model import TorchBackend
 

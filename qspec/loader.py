@@ -1,17 +1,28 @@
-"""Load a Hugging Face model directory: config, memory-mapped safetensors weights (never pickle)."""
+"""Load a Hugging Face model directory: config, memory-mapped safetensors weights (never pickle).
+
+The safetensors headers are read and checked as JSON at load; tensors are read, with torch, only
+when used: a load that maps everything from the weight cache (qspec/weight_cache.py) never
+imports torch."""
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-
-import torch
-from safetensors import SafetensorError, safe_open
+from typing import TYPE_CHECKING
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+# bytes per element of the safetensors dtypes
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+               "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 
 
 @dataclass
@@ -59,31 +70,73 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-class Checkpoint:
-    """The tensors of a checkpoint, memory-mapped by safetensors (no unpickling), read on demand."""
+def read_safetensors_header(path: Path) -> tuple[dict[str, dict], int]:
+    """({tensor name: {"dtype", "shape", "data_offsets"}}, offset of the data) of a safetensors
+    file, every entry checked against the file's size (what safetensors checks when it opens one);
+    ModelLoadError naming the file otherwise."""
+    def bad(why: str) -> ModelLoadError:
+        return ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({why})")
 
-    def __init__(self, model_dir: Path):
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            size = path.stat().st_size
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 2 <= n <= min(size - 8, 100 * 2**20):
+                raise bad("bad header length")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise bad(e.strerror or str(e)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad("header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        try:
+            lo, hi = (int(x) for x in info["data_offsets"])
+            count = 1
+            for d in info["shape"]:
+                count *= int(d)
+            ok = 0 <= lo <= hi <= size - 8 - n and hi - lo == count * DTYPE_SIZES[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise bad(f"tensor {name}")
+    return header, 8 + n
+
+
+class Checkpoint:
+    """The tensors of a checkpoint: names, dtypes and shapes from the headers; data memory-mapped
+    by safetensors (no unpickling) and read on demand, as torch tensors (torch is imported then)."""
+
+    def __init__(self, model_dir: Path, torch_threads: int | None = None):
         self.model_dir = model_dir
-        self._where: dict[str, object] = {}
+        self.torch_threads = torch_threads
+        self._where: dict[str, tuple[Path, dict]] = {}
         for f in _weight_files(model_dir):
-            try:
-                h = safe_open(str(f), framework="pt")
-                for name in h.keys():
-                    self._where[name] = (h, f)
-            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-                raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({_first_line(e)})") from None
+            header, _ = read_safetensors_header(f)
+            self._where.update((name, (f, info)) for name, info in header.items())
+        self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        h, _ = self._where[name]
-        return tuple(h.get_slice(name).get_shape())
+        return tuple(int(d) for d in self._where[name][1]["shape"])
 
-    def get(self, name: str) -> torch.Tensor:
-        h, f = self._where[name]
+    def get(self, name: str):
+        """The tensor `name` as a torch.Tensor in its stored dtype."""
+        import torch
+        from safetensors import SafetensorError, safe_open
+
+        f = self._where[name][0]
         try:
-            return h.get_tensor(name)
+            if f not in self._open:
+                if not self._open and self.torch_threads:
+                    torch.set_num_threads(self.torch_threads)
+                self._open[f] = safe_open(str(f), framework="pt")
+            return self._open[f].get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({_first_line(e)})") from None
 
@@ -123,9 +176,10 @@ class _Layers(Sequence):
         return self._read(i % self._n)
 
 
-def load_weights(model_dir: Path, cfg: ModelConfig) -> ModelWeights:
-    """Checks every tensor's presence and shape up front (from the headers), reads lazily."""
-    ck = Checkpoint(model_dir)
+def load_weights(model_dir: Path, cfg: ModelConfig, torch_threads: int | None = None) -> ModelWeights:
+    """Checks every tensor's presence and shape up front (from the headers), reads each tensor when
+    it is first used (`torch_threads`: torch's thread count, set when torch is first needed)."""
+    ck = Checkpoint(model_dir, torch_threads)
     D, hd, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
     layer_shapes = {"input_layernorm.weight": (D,), "self_attn.q_proj.weight": (q_out, D),
@@ -147,10 +201,12 @@ def load_weights(model_dir: Path, cfg: ModelConfig) -> ModelWeights:
         if ck.shape(name) != shape:
             raise ModelLoadError(f"{model_dir}: tensor {name} has shape {ck.shape(name)}, config says {shape}")
 
-    bf16, f32 = torch.bfloat16, torch.float32
+    bf16, f32 = "bfloat16", "float32"
 
-    def get(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return ck.get(name).to(dtype).contiguous()
+    def get(name: str, dtype: str):
+        import torch
+
+        return ck.get(name).to(getattr(torch, dtype)).contiguous()
 
     def read_layer(i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -170,7 +226,29 @@ def load_weights(model_dir: Path, cfg: ModelConfig) -> ModelWeights:
             bv=get(p + "self_attn.v_proj.bias", f32) if bias else None,
         )
 
-    embed = get("model.embed_tokens.weight", bf16)
-    lm_head = get("lm_head.weight", bf16) if untied else embed
-    return ModelWeights(embed=embed, layers=_Layers(read_layer, cfg.n_layers),
-                        norm=get("model.norm.weight", f32), lm_head=lm_head)
+    return CheckpointWeights(layers=_Layers(read_layer, cfg.n_layers),
+                             read_embed=lambda: get("model.embed_tokens.weight", bf16),
+                             read_norm=lambda: get("model.norm.weight", f32),
+                             read_lm_head=(lambda: get("lm_head.weight", bf16)) if untied else None)
+
+
+class CheckpointWeights(ModelWeights):
+    """ModelWeights of a checkpoint, each tensor read when first used (the layers each time they
+    are indexed): with the packed weights mapped from the cache, none is read."""
+
+    def __init__(self, layers: Sequence[LayerWeights], read_embed: Callable, read_norm: Callable,
+                 read_lm_head: Callable | None):
+        self.layers = layers
+        self._read_embed, self._read_norm, self._read_lm_head = read_embed, read_norm, read_lm_head
+
+    @cached_property
+    def embed(self):
+        return self._read_embed()
+
+    @cached_property
+    def norm(self):
+        return self._read_norm()
+
+    @cached_property
+    def lm_head(self):
+        return self.embed if self._read_lm_head is None else self._read_lm_head()

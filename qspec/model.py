@@ -1,11 +1,13 @@
 """Reference Llama-family forward pass in torch (FP32 math on the BF16 weights).
 
 This is the readable oracle the native forward (csrc/model.cpp) is tested against, and the
-`backend="torch"` engine path. It reads and writes the same KVCache as the native path.
+`backend="torch"` engine path. It reads and writes the same KVCache class as the native path
+(float32 here) and, as every backend, returns numpy logits, so the same decoding loops drive it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,17 +38,19 @@ class TorchModel:
         self.w = ModelWeights(
             embed=weights.embed, norm=weights.norm, lm_head=weights.lm_head.to(f32),
             layers=[LayerWeights(**{k: up(v) for k, v in vars(lw).items()}) for lw in weights.layers])
-        self._cos, self._sin = rope_tables(cfg, 0)
+        self._cos = self._sin = torch.empty(0, cfg.head_dim // 2)
 
     def _rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] < n:
-            self._cos, self._sin = rope_tables(self.cfg, max(n, 2 * self._cos.shape[0]))
+            cos, sin = rope_tables(self.cfg, max(n, 2 * self._cos.shape[0]))
+            self._cos, self._sin = torch.from_numpy(cos), torch.from_numpy(sin)
         return self._cos, self._sin
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache) -> torch.Tensor:
-        """tokens [M] at positions start_pos.. -> logits [M, V] fp32; writes K/V rows."""
+        """tokens [M] at positions start_pos.. -> logits [M, V] fp32; writes K/V rows (float32 cache)."""
         cfg, f32 = self.cfg, torch.float32
+        cache = torch.from_numpy(kv.data)  # shares the array: writes land in the cache
         M, H, KVH, hd = tokens.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         end = start_pos + M
         cos_t, sin_t = self._rope(end)
@@ -60,10 +64,10 @@ class TorchModel:
             k = F.linear(x, lw.wk, lw.bk).view(M, KVH, hd)
             v = F.linear(x, lw.wv, lw.bv).view(M, KVH, hd)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kv.data[i, 0, start_pos:end] = k.to(kv.dtype)
-            kv.data[i, 1, start_pos:end] = v.to(kv.dtype)
-            keys = kv.data[i, 0, :end].to(f32).repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, end, hd]
-            vals = kv.data[i, 1, :end].to(f32).repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+            cache[i, 0, start_pos:end] = k
+            cache[i, 1, start_pos:end] = v
+            keys = cache[i, 0, :end].repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, end, hd]
+            vals = cache[i, 1, :end].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
             att = (q.transpose(0, 1) @ keys.transpose(1, 2)) / hd ** 0.5  # [H, M, end]
             att = att.masked_fill(~mask[None], float("-inf")).softmax(-1)
             o = (att @ vals).transpose(0, 1).reshape(M, H * hd)
@@ -81,9 +85,9 @@ class TorchBackend:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights):
         self.cfg = cfg
         self.model = TorchModel(cfg, weights)
-        self.kv = KVCache(cfg, 0, dtype=torch.float32)
+        self.kv = KVCache(cfg, 0, dtype=np.float32)
 
-    def forward(self, tokens, start_pos: int, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, tokens, start_pos: int, *, all_logits: bool = False) -> np.ndarray:
         self.kv.writing(start_pos)
         logits = self.model.forward(torch.as_tensor(list(tokens), dtype=torch.long), start_pos, self.kv)
-        return logits if all_logits else logits[-1:]
+        return (logits if all_logits else logits[-1:]).numpy()

@@ -1,4 +1,7 @@
-"""Engine backend on the native kernels: weights packed once, one C++ call per forward."""
+"""Engine backend on the native kernels: weights packed once, one C++ call per forward.
+
+Packing reads the BF16 checkpoint with torch (imported here only then); with the packed weights
+mapped from the weight cache or a draft file, a backend is built and run on numpy alone."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from . import _C
 from .config import ModelConfig
@@ -21,8 +23,10 @@ from .rope import rope_tables
 TARGET, DRAFT = 0, 1
 
 
-def bf16_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy uint16 view of a contiguous BF16 tensor (the one place bf16 crosses to _C)."""
+def bf16_numpy(t) -> np.ndarray:
+    """Zero-copy uint16 view of a contiguous BF16 torch tensor (the one place bf16 crosses to _C)."""
+    import torch
+
     if t.dtype != torch.bfloat16:
         raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
@@ -31,8 +35,10 @@ def bf16_numpy(t: torch.Tensor) -> np.ndarray:
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def fused_layer_matrices(lw) -> dict[str, torch.Tensor]:
-    """The four GEMM operands of a layer: [q;k;v], o, [gate;up], down (BF16)."""
+def fused_layer_matrices(lw) -> dict:
+    """The four GEMM operands of a layer: [q;k;v], o, [gate;up], down (BF16 torch tensors)."""
+    import torch
+
     return {
         "wqkv": torch.cat([lw.wq, lw.wk, lw.wv]),
         "wo": lw.wo,
@@ -62,6 +68,8 @@ def draft_names(cfg: ModelConfig, spec: DraftSpec) -> list[str]:
 
 def pack_target(weights: ModelWeights) -> Iterator[tuple[str, object]]:
     """The packed target, one entry at a time (the names of target_names)."""
+    import torch
+
     for i, lw in enumerate(weights.layers):
         yield f"layers.{i}.attn_norm", lw.attn_norm.float().numpy()
         yield f"layers.{i}.mlp_norm", lw.mlp_norm.float().numpy()
@@ -213,7 +221,7 @@ class NativeBackend:
         if n > self._rope_positions:
             n = min(max(n, 2 * self._rope_positions, 256), max(n, self.cfg.max_seq_len))
             cos, sin = rope_tables(self.cfg, n)
-            self.model.set_rope(cos.numpy(), sin.numpy())
+            self.model.set_rope(cos, sin)
             self._rope_positions = n
 
     @property
@@ -222,7 +230,7 @@ class NativeBackend:
         return _C.isa_selected()
 
     def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False,
-                draft: bool = False) -> torch.Tensor:
+                draft: bool = False) -> np.ndarray:
         m = len(tokens)
         rows = m if all_logits else 1
         if self._logits.shape[0] < rows:
@@ -230,7 +238,6 @@ class NativeBackend:
         self._ensure_rope(start_pos + m)
         out = self._logits[:rows]
         self.kv.writing(start_pos)
-        kv = self.kv.data.view(torch.int16).numpy().view(np.uint16)
-        self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, kv, DRAFT if draft else TARGET,
-                           all_logits, out)
-        return torch.from_numpy(out.copy())  # the buffer is reused by the next call
+        self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, self.kv.data,
+                           DRAFT if draft else TARGET, all_logits, out)
+        return out.copy()  # the buffer is reused by the next call

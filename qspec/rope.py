@@ -1,38 +1,43 @@
-"""Rotary position embedding tables (HF Llama convention: rotate-half, cat(freqs, freqs))."""
+"""Rotary position embedding tables (HF Llama convention: rotate-half, cat(freqs, freqs)), in numpy.
+
+The angles are HF's: fp32 inverse frequencies times fp32 positions, one fp32 product. Their cos and
+sin are taken in float64 and rounded once to fp32, so the tables do not depend on a library's
+vectorized fp32 cos."""
 
 from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
 from .config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """[head_dim // 2] fp32, as transformers computes them (fp32 exponents, one rounding per op)."""
+    dim, f32 = cfg.head_dim, np.float32
+    exponent = np.arange(0, dim, 2).astype(f32) / f32(dim)
+    inv = f32(1.0) / (float(cfg.rope_theta) ** exponent.astype(np.float64)).astype(f32)
     rs = cfg.rope_scaling
     kind = (rs or {}).get("rope_type", (rs or {}).get("type"))
     if kind == "linear":
-        inv = inv / float(rs["factor"])
+        inv = inv / f32(rs["factor"])
     elif kind == "llama3":
         # Llama 3.1 frequency-dependent scaling (as in transformers' _compute_llama3_parameters)
-        factor = float(rs["factor"])
-        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        factor = f32(rs["factor"])
+        low, high = f32(rs.get("low_freq_factor", 1.0)), f32(rs.get("high_freq_factor", 4.0))
+        old_ctx = f32(rs.get("original_max_position_embeddings", 8192))
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        wavelen = f32(2 * math.pi) / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
         smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv = torch.where(medium, smoothed, scaled)
-    return inv
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(f32)
 
 
-def rope_tables(cfg: ModelConfig, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: [n_positions, head_dim // 2] fp32 (the two halves of HF's table are equal)."""
-    pos = torch.arange(n_positions, dtype=torch.int64).float()
-    freqs = torch.outer(pos, inv_frequencies(cfg))
-    return freqs.cos().contiguous(), freqs.sin().contiguous()
+    angles = np.outer(np.arange(n_positions).astype(np.float32), inv_frequencies(cfg)).astype(np.float64)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-import torch
+import numpy as np
 
 from .sampling import SamplingParams, argmax, sample, top1_prob, warp
 
@@ -134,8 +134,8 @@ class CostModel:
         return best_k
 
 
-def _accept_sampled(drafts: list[int], qs: list[torch.Tensor], p_rows: torch.Tensor,
-                    params: SamplingParams, gen: torch.Generator) -> tuple[int, int]:
+def _accept_sampled(drafts: list[int], qs: list[np.ndarray], p_rows: np.ndarray,
+                    params: SamplingParams, gen: np.random.Generator) -> tuple[int, int]:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): returns (accepted, next).
 
     Draft token x ~ q is kept with probability min(1, p(x)/q(x)); at the first rejection the
@@ -144,16 +144,16 @@ def _accept_sampled(drafts: list[int], qs: list[torch.Tensor], p_rows: torch.Ten
     """
     for j, (x, q) in enumerate(zip(drafts, qs)):
         p = warp(p_rows[j], params)
-        u = float(torch.rand((), generator=gen))
+        u = gen.random()
         if u * float(q[x]) < float(p[x]):  # u < p/q without dividing by a zero q
             continue
-        residual = torch.clamp(p - q, min=0.0)
+        residual = np.maximum(p - q, 0.0)
         total = float(residual.sum())
         return j, sample(residual / total if total > 0 else p, gen)
     return len(drafts), sample(warp(p_rows[len(drafts)], params), gen)
 
 
-def speculative_tokens(backend, first_logits: torch.Tensor, max_new: int, params: SamplingParams,
+def speculative_tokens(backend, first_logits: np.ndarray, max_new: int, params: SamplingParams,
                        dp: DraftParams, eos_ids: set[int], cost: CostModel | None,
                        stats: dict[str, float]) -> Iterator[int]:
     """Yields new tokens after a target prefill whose last-row logits are `first_logits`.
@@ -174,7 +174,7 @@ def speculative_tokens(backend, first_logits: torch.Tensor, max_new: int, params
         # 1. draft
         t0 = time.perf_counter()
         drafts: list[int] = []
-        qs: list[torch.Tensor] = []
+        qs: list[np.ndarray] = []
         prev = tok
         for j in range(k):
             lg = backend.forward([prev], base + j, draft=True)[-1]

@@ -63,7 +63,7 @@ def test_final_logits_match_transformers(engine, hf_model):
         ref = hf_model(torch.tensor([ids])).logits[0, -1]
         engine.backend.kv.reset()
         engine.backend.kv.ensure_capacity(len(ids))
-        ours = engine.backend.forward(ids, 0)[-1]
+        ours = torch.from_numpy(engine.backend.forward(ids, 0)[-1])
         err = (ours - ref).abs().max().item()
         assert err < atol, f"{prompt!r}: max |logit diff| {err:.3g} >= {atol}"
         assert int(ours.argmax()) == int(ref.argmax()) or \
