@@ -223,7 +223,7 @@ class LlamaCppEngine:
 
     def generate(self, ids: list[int], max_new: int, eos: set[int]) -> dict:
         llm = self.llm
-        llm.reset()  # no prefix reuse: every llama.cpp run prefills in full (a qspec run of a repeated prompt reports none)
+        llm.reset()  # no prefix reuse: every run prefills in full, in both engines (qspec_run)
         self._evals, self._drafted = 0, 0
         toks: list[int] = []
         t0 = time.perf_counter()
@@ -248,10 +248,10 @@ class LlamaCppEngine:
 
 
 def qspec_run(eng, ids: list[int], max_new: int, speculative: bool) -> dict:
+    eng.backend.kv.prompt_memo = None  # prefill in full, as llama.cpp does after reset()
     r = eng.generate(ids, max_new_tokens=max_new, temperature=0.0, speculative=speculative)
     s = r.stats
-    prefill_s = None if s["cached_prompt_tokens"] else s["prefill_s"]  # a repeated prompt is not prefilled
-    return {"tokens": list(r.tokens), "prefill_s": prefill_s, "decode_s": s["decode_s"],
+    return {"tokens": list(r.tokens), "prefill_s": s["prefill_s"], "decode_s": s["decode_s"],
             "tokens_per_s": s["tokens_per_s"], "new_tokens": s["new_tokens"], "steps": s.get("steps"),
             "drafted": s.get("drafted"), "accepted": s.get("accepted")}
 
@@ -349,8 +349,7 @@ def run(args, ctx: dict, out: JsonWriter, llama_cpp) -> list[dict]:
                "weights": (peers[cfg].desc if name.startswith("llama") else
                            "BF16 + MX draft" if name == "qspec speculative" else "BF16"),
                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-               "prefill_ms": 1e3 * statistics.median(pf) if (pf := [r["prefill_s"] for r in rs
-                                                                     if r["prefill_s"] is not None]) else None,
+               "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in rs),
                "vs_qspec_plain": ratios("qspec plain"), "vs_qspec_spec": ratios("qspec speculative"),
                "tokens_per_step": (sum(r["new_tokens"] - 1 for r in rs) / steps) if steps else None,
                "new_tokens": sum(r["new_tokens"] for r in rs), "prompts": len(rs), "max_new": n_new,

@@ -51,7 +51,7 @@ def test_profile_sums_over_calls_and_keeps_the_logits(backend):
     """The timers change nothing: the same forward twice gives the same logits bit for bit."""
     model = backend.model
     model.profile_reset()
-    a = backend.forward([7, 8, 9], CONTEXT, all_logits=True).clone()
+    a = backend.forward([7, 8, 9], CONTEXT, all_logits=True).copy()
     b = backend.forward([7, 8, 9], CONTEXT, all_logits=True)
     assert (a == b).all()
     assert model.profile()["calls"] == 2
