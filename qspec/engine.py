@@ -256,14 +256,14 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
             sys.modules["torch"].set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
-    spec = resolve_draft_spec(draft, draft_lm_head)
+    spec = resolve_draft_spec(draft, draft_lm_head)  # a bad format fails before any file is read
     if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None):
         raise ValueError("the torch backend has no draft; use backend='native'")
     from .fetch import resolve_model  # None = the default model, a known name, or a folder
 
     model_dir = resolve_model(model)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    spec = resolve_draft_spec(draft, draft_lm_head, cfg)
+    spec = resolve_draft_spec(draft, draft_lm_head, cfg)  # "auto" is chosen by the model's size
     tok = Tokenizer(model_dir)
     draft_packed = None
     if draft_file is not None and backend == "native":
