@@ -18,22 +18,25 @@ namespace {
 constexpr int kMaxMB = 6;  // rows of x per register tile
 
 // Output rows r of block group nbg (NB blocks): acc layout [m][kAccCols], column j*16 + r.
+// A tile rebases acc to its first row on entry (acc = acc_row(acc, m0)) and indexes rows from
+// there: with acc_row(acc, m0 + i) GCC 12 kept a stack copy of every accumulator, stored at
+// each k step (objdump of the M = 2 BF16 tile: 8 stores per 16 FMAs; none after).
 inline float* acc_row(float* acc, int64_t i) { return acc + i * kAccCols; }
 
 // A tile's fp32 accumulators [row i][block j][8-row half h] <-> the scratch columns j*16 + h*8.
 template <int MB, int NB>
-__attribute__((always_inline)) inline void load_acc(float* acc, int64_t m0, bool init, __m256 (&c)[MB][NB][2]) {
+__attribute__((always_inline)) inline void load_acc(float* acc, bool init, __m256 (&c)[MB][NB][2]) {
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
       for (int h = 0; h < 2; ++h)
-        c[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8);
+        c[i][j][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, i) + j * 16 + h * 8);
 }
 
 template <int MB, int NB>
-__attribute__((always_inline)) inline void store_acc(float* acc, int64_t m0, const __m256 (&c)[MB][NB][2]) {
+__attribute__((always_inline)) inline void store_acc(float* acc, const __m256 (&c)[MB][NB][2]) {
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, m0 + i) + j * 16 + h * 8, c[i][j][h]);
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_row(acc, i) + j * 16 + h * 8, c[i][j][h]);
 }
 
 inline void store_rows(const GemmArgs& a, int64_t nb, int nbn, const float* acc) {
@@ -72,8 +75,9 @@ inline void e8m0x16(const uint8_t* p, __m256& lo, __m256& hi) {
 // each 32 bytes = 8 x (even k, odd k).
 template <int MB, int NB>
 void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   __m256 c[MB][NB][2];
-  load_acc<MB, NB>(acc, m0, init, c);
+  load_acc<MB, NB>(acc, init, c);
   const uint16_t* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
   const float* x[MB];
@@ -93,7 +97,7 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
         }
       }
   }
-  store_acc<MB, NB>(acc, m0, c);
+  store_acc<MB, NB>(acc, c);
 }
 
 // Small-M tile over 8-row halves: MB rows of x x NH halves (global half index g0..g0+NH-1,
@@ -103,10 +107,11 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
 // acc points at the column of half g0 in the group's scratch.
 template <int MB, int NH, int ORD>
 void bf16_htile(const GemmArgs& a, int64_t g0, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   __m256 c[MB][NH];
   for (int i = 0; i < MB; ++i)
     for (int t = 0; t < NH; ++t)
-      c[i][t] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, m0 + i) + t * 8);
+      c[i][t] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_row(acc, i) + t * 8);
   const uint16_t* w[NH];
   for (int t = 0; t < NH; ++t)
     w[t] = reinterpret_cast<const uint16_t*>(a.data) + ((g0 + t) >> 1) * a.kp * 16 + ((g0 + t) & 1) * 16;
@@ -154,7 +159,7 @@ void bf16_htile(const GemmArgs& a, int64_t g0, int64_t m0, int64_t k0, int64_t k
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int t = 0; t < NH; ++t) _mm256_storeu_ps(acc_row(acc, m0 + i) + t * 8, c[i][t]);
+    for (int t = 0; t < NH; ++t) _mm256_storeu_ps(acc_row(acc, i) + t * 8, c[i][t]);
 }
 
 // ----------------------------------------------------------------------------- FP6/FP8/INT8
@@ -174,9 +179,10 @@ inline void decode16(const uint8_t* p, __m256& lo, __m256& hi) {
 
 template <int KIND, int MB, int NB>
 void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   if (init)
-    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, NB * 16 * 4);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -204,7 +210,7 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       e8m0x16(s[j] + b * kRows, d[0], d[1]);
       for (int h = 0; h < 2; ++h)
         for (int i = 0; i < MB; ++i) {
-          float* pa = acc_row(acc, m0 + i) + j * 16 + h * 8;
+          float* pa = acc_row(acc, i) + j * 16 + h * 8;
           _mm256_storeu_ps(pa, _mm256_fmadd_ps(_mm256_mul_ps(c[i][j][h], f), d[h], _mm256_loadu_ps(pa)));
         }
     }
@@ -218,9 +224,10 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 // <= 2*24*127 = 6096, four slabs summed in int16 <= 24384 < 2^15: exact.
 template <int MB, int NB>
 void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   __m256 facc[MB][NB][2];  // fp32 accumulators stay in registers across blocks
-  load_acc<MB, NB>(acc, m0, init, facc);
+  load_acc<MB, NB>(acc, init, facc);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -281,7 +288,7 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       }
     }
   }
-  store_acc<MB, NB>(acc, m0, facc);
+  store_acc<MB, NB>(acc, facc);
 }
 
 // ----------------------------------------------------------------------------- MXFP6 E2M3 (Q8)
@@ -291,9 +298,10 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 // bit 7 only). Bounds: a vpmaddubsw pair <= 2*60*127 = 15240, two slabs summed in int16 <= 30480.
 template <int MB, int NB>
 void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   __m256 facc[MB][NB][2];
-  load_acc<MB, NB>(acc, m0, init, facc);
+  load_acc<MB, NB>(acc, init, facc);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -359,7 +367,7 @@ void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
       }
     }
   }
-  store_acc<MB, NB>(acc, m0, facc);
+  store_acc<MB, NB>(acc, facc);
 }
 
 // ----------------------------------------------------------------------------- driver

@@ -27,10 +27,11 @@ using avx512::store_rows;
 // ----------------------------------------------------------------------------- BF16, fp32 x
 template <int MB, int NB>
 void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   __m512 c[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
-      c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_row(acc, m0 + i) + j * 16);
+      c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_row(acc, i) + j * 16);
   const uint16_t* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
   const float* x[MB];
@@ -52,16 +53,17 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_row(acc, m0 + i) + j * 16, c[i][j]);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_row(acc, i) + j * 16, c[i][j]);
 }
 
 // ----------------------------------------------------------------------------- BF16, bf16 x
 template <int MB, int NB>
 void dpbf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   __m512 c[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j)
-      c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_row(acc, m0 + i) + j * 16);
+      c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_row(acc, i) + j * 16);
   const uint16_t* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
   const uint16_t* x[MB];
@@ -80,16 +82,17 @@ void dpbf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t 
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_row(acc, m0 + i) + j * 16, c[i][j]);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_row(acc, i) + j * 16, c[i][j]);
 }
 
 // ----------------------------------------------------------------------------- MXFP4 (Q8)
 // zmm = [low nibbles | high nibbles] of a 32-byte slab = rows 0-15 x 4 k, as avx2's two ymm.
 template <int MB, int NB>
 void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   if (init)
-    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * 16 * 4);
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, NB * 16 * 4);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -136,7 +139,7 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
         const int64_t ib = (m0 + i) * kb + b;
         const __m512 fi = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i][j], _mm512_set1_epi32(a.xc[ib])));
         const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[ib]));
-        float* pa = acc_row(acc, m0 + i) + j * 16;
+        float* pa = acc_row(acc, i) + j * 16;
         _mm512_storeu_ps(pa, _mm512_fmadd_ps(fi, dd, _mm512_loadu_ps(pa)));
       }
     }

@@ -54,9 +54,10 @@ inline void decode_pair(const uint8_t* p, __m512& v0, __m512& v1) {
 // in the scratch columns j*16..j*16+15. Each k pair is decoded once for all MB rows.
 template <int KIND, int MB, int NB>
 void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   if (init)
-    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, NB * kRows * 4);
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, NB * kRows * 4);
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -87,7 +88,7 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
     for (int j = 0; j < NB; ++j) {
       const __m512 d = e8m0x16(s[j] + b * kRows);
       for (int i = 0; i < MB; ++i) {
-        float* pa = acc_row(acc, m0 + i) + j * kRows;
+        float* pa = acc_row(acc, i) + j * kRows;
         _mm512_storeu_ps(pa, _mm512_fmadd_ps(_mm512_mul_ps(c[i][j], f), d, _mm512_loadu_ps(pa)));
       }
     }
@@ -105,9 +106,10 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 // exact. The weight side (5 instructions per slab) is shared by the MB rows of x.
 template <int MB>
 void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   if (init)
-    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, m0 + i), 0, kRows * 4);
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, kRows * 4);
   const uint8_t* w = a.data + nb * kb * kQ6BlockBytes;
   const uint8_t* s = a.scales + nb * kb * kRows;
   const int8_t* q[MB];
@@ -154,7 +156,7 @@ void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
     const __m512 d = e8m0x16(s + b * kRows);
     for (int i = 0; i < MB; ++i) {
       const __m512 xd = _mm512_set1_ps(a.xd[(m0 + i) * kb + b] * a.elem_factor);
-      float* pa = acc_row(acc, m0 + i);
+      float* pa = acc_row(acc, i);
       _mm512_storeu_ps(pa, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, xd), _mm512_loadu_ps(pa)));
     }
   }
