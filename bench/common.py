@@ -78,7 +78,7 @@ def _prompt_file(s: str) -> str:
 
 
 def setup(args) -> int:
-    """Apply --threads to qspec's OpenMP pool and to torch (if imported); returns the count."""
+    """Apply --threads to qspec's thread pool and to torch (if imported); returns the count."""
     n = args.threads or os.cpu_count() or 1
     args.threads = n
     _C.set_num_threads(n)

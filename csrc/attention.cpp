@@ -14,11 +14,11 @@
 // (positions counted from key 0), merging a row's segments in order afterwards (attention.h).
 #include "attention.h"
 
-#include <omp.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "pool.h"
 #include "profile.h"
 
 namespace qspec {
@@ -111,24 +112,18 @@ void run_ref(const AttnArgs& a) {
   const int64_t units = a.m * a.n_heads;
   const int64_t max_keys = a.start_pos + a.m;  // longest row: p = start_pos + m - 1
   const auto t_region = ProfClock::now();
-  double busy_thread_s = 0;
-  int team = 1;
-#pragma omp parallel
-  {
+  std::atomic<int64_t> busy_ns{0};
+  parallel_for(units, 1, [&](int, int64_t u0, int64_t u1) {
     const auto t_work = ProfClock::now();
     // Per-thread scratch for one row's scores; grows to the longest context seen, kept across
-    // calls (OpenMP worker threads persist), so decode steps do not allocate.
+    // calls (the pool's threads persist), so decode steps do not allocate.
     thread_local std::vector<float> scratch;
     if (int64_t(scratch.size()) < max_keys + 16) scratch.resize(max_keys + 16);
-#pragma omp for schedule(static) nowait
-    for (int64_t u = 0; u < units; ++u)
-      attn_row_head_ref(a, u / a.n_heads, u % a.n_heads, scratch.data());
-    const double busy = seconds_between(t_work, ProfClock::now());
-#pragma omp atomic
-    busy_thread_s += busy;
-    if (omp_get_thread_num() == 0) team = omp_get_num_threads();
-  }
-  attn_timing().add(seconds_between(t_region, ProfClock::now()), busy_thread_s, team);
+    for (int64_t u = u0; u < u1; ++u) attn_row_head_ref(a, u / a.n_heads, u % a.n_heads, scratch.data());
+    busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
+  });
+  attn_timing().add(seconds_between(t_region, ProfClock::now()), 1e-9 * double(busy_ns.load()),
+                    Pool::instance().threads());
 }
 
 // Combines the segments of pair (row, head), p = start_pos + row >= kAttnSegKeys, in order:
@@ -171,7 +166,7 @@ void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, in
 void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   const int64_t group = a.n_heads / a.kv.kv_heads;
   const int64_t kvh = a.kv.kv_heads;
-  const int64_t nt = omp_get_max_threads();
+  const int64_t nt = Pool::instance().threads();
   const int64_t n_last = a.start_pos + a.m;  // keys of the last row
   const int64_t max_seg = (n_last + kAttnSegKeys - 1) / kAttnSegKeys;
   int64_t chunks = 1;
@@ -213,32 +208,27 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
       merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
     return;
   }
+  // Two jobs: every unit is done before any pair is merged. Idle counts every configured
+  // thread (one that never joined was idle the whole job).
   const auto t_region = ProfClock::now();
-  double busy_thread_s = 0;
-  int team = 1;
-#pragma omp parallel
-  {
-    // Each thread times its own work; the barriers (explicit here, so the waits stay outside
-    // that time) are where it idles.
-    const auto t_units = ProfClock::now();
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t w = 0; w < nu; ++w) run_unit(w);
-    double busy = seconds_between(t_units, ProfClock::now());
-    if (merged > 0) {
-#pragma omp barrier
-      // every unit is done before any pair is merged
-      const auto t_merge = ProfClock::now();
-      std::vector<float> ws(max_seg);
-#pragma omp for schedule(static) nowait
-      for (int64_t x = 0; x < merged; ++x)
+  std::atomic<int64_t> busy_ns{0};
+  parallel_for(nu, 1, [&](int, int64_t w0, int64_t w1) {
+    const auto t_work = ProfClock::now();
+    for (int64_t w = w0; w < w1; ++w) run_unit(w);
+    busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
+  });
+  if (merged > 0) {
+    const int64_t grain = (merged + 2 * nt - 1) / (2 * nt);
+    parallel_for(merged, grain, [&](int, int64_t x0, int64_t x1) {
+      const auto t_work = ProfClock::now();
+      thread_local std::vector<float> ws;
+      if (int64_t(ws.size()) < max_seg) ws.resize(max_seg);
+      for (int64_t x = x0; x < x1; ++x)
         merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
-      busy += seconds_between(t_merge, ProfClock::now());
-    }
-#pragma omp atomic
-    busy_thread_s += busy;
-    if (omp_get_thread_num() == 0) team = omp_get_num_threads();
+      busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
+    });
   }
-  attn_timing().add(seconds_between(t_region, ProfClock::now()), busy_thread_s, team);
+  attn_timing().add(seconds_between(t_region, ProfClock::now()), 1e-9 * double(busy_ns.load()), int(nt));
 }
 
 }  // namespace

@@ -47,7 +47,7 @@ void attention_path(AttnPath p, const AttnArgs& a);  // throws std::invalid_argu
 // Scalar reference kernel for ONE (query row i, head h): out[i, h, :] from keys 0 .. start_pos + i,
 // sequentially in a fixed order that depends only on start_pos + i. `scratch` holds at least
 // start_pos + i + 1 floats (per-thread, owned by the driver). The driver splits (row, head) pairs
-// over OpenMP threads for this path.
+// over the pool's threads (csrc/pool.h) for this path.
 using AttnRowHeadFn = void (*)(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 

@@ -6,6 +6,7 @@
 
 #include "bindings.h"
 #include "cpu.h"
+#include "pool.h"
 
 namespace py = pybind11;
 
@@ -42,7 +43,7 @@ py::dict cpu_info_dict() {
   d["isa_detected"] = isa_name(isa_detected());
   d["isa_selected"] = isa_name(isa_selected());
   d["isa_levels"] = levels;
-  d["threads"] = omp_get_max_threads();
+  d["threads"] = Pool::instance().threads();
 #ifdef QSPEC_ISA_EMULATION
   d["isa_emulation"] = true;  // a test build: avx512/amx levels are emulated, not this CPU's
 #else
@@ -65,9 +66,10 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("name"), "Lower the ISA level used from now on (never raises it past detection)");
   m.def("set_num_threads", [](int n) {
     if (n < 1) throw std::invalid_argument("threads must be >= 1");
-    omp_set_num_threads(n);
+    Pool::instance().set_threads(n);  // the forward pass
+    omp_set_num_threads(n);           // packing, casting, the bandwidth probe
   }, py::arg("n"));
-  m.def("get_num_threads", [] { return omp_get_max_threads(); });
+  m.def("get_num_threads", [] { return Pool::instance().threads(); });
   bind_mx(m);
   bind_gemm(m);
   bind_attention(m);

@@ -1,5 +1,5 @@
 // GEMM y[M,N] = x[M,K] · W[N,K]^T: packing (once, at load), the scalar reference path,
-// the dispatcher, the OpenMP driver (threads split row blocks of N only) and the bindings.
+// the dispatcher, the threaded driver (csrc/pool.h; threads split row blocks of N only) and the bindings.
 // Layouts and the arithmetic every path performs are described in gemm.h.
 #include "gemm.h"
 
@@ -17,6 +17,7 @@
 
 #include "bindings.h"
 #include "gemm_internal.h"
+#include "pool.h"
 #include "profile.h"
 
 namespace qspec {
@@ -438,11 +439,12 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   // other threads for long. Each piece is computed whole by one thread, so which thread
   // takes it changes nothing in the result. Tiny problems stay on one thread.
   const int64_t nblk = a.np / kRows;
-  int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  Pool& pool = Pool::instance();
+  int threads = pool.threads();
   if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
   threads = int(std::min<int64_t>(threads, nblk));
   const int64_t scratch = m * detail::kAccCols;
-  std::vector<float> acc(size_t(scratch * threads));
+  std::vector<float> acc(size_t(scratch * pool.threads()));  // a slot each: any worker may join
   GemmTiming& timing = gemm_timing();
   const auto t_region = ProfClock::now();
   timing.prep_s += seconds_between(t_enter, t_region);
@@ -452,12 +454,10 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   }
   constexpr int64_t kGroup = 4;
   std::atomic<int64_t> next{0};
-  double busy_thread_s = 0;
-  int team = threads;
-#pragma omp parallel num_threads(threads)
-  {
+  std::atomic<int64_t> busy_ns{0};
+  auto body = [&](int slot) {
     const auto t_work = ProfClock::now();
-    float* my_acc = acc.data() + omp_get_thread_num() * scratch;
+    float* my_acc = acc.data() + slot * scratch;
     int64_t start = next.load(std::memory_order_relaxed);
     while (start < nblk) {
       const int64_t rem = nblk - start;
@@ -467,12 +467,11 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
         start = next.load(std::memory_order_relaxed);
       }  // else: start now holds the current counter; try again from there
     }
-    const double busy = seconds_between(t_work, ProfClock::now());
-#pragma omp atomic
-    busy_thread_s += busy;
-    if (omp_get_thread_num() == 0) team = omp_get_num_threads();
-  }
-  timing.region.add(seconds_between(t_region, ProfClock::now()), busy_thread_s, team);
+    busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
+  };
+  pool.run(body);
+  // idle counts every configured thread: one that never joined was idle the whole region
+  timing.region.add(seconds_between(t_region, ProfClock::now()), 1e-9 * double(busy_ns.load()), threads);
 }
 
 void gemm(const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy) {

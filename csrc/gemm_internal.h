@@ -51,7 +51,7 @@ struct GemmArgs {
 };
 
 // Kernels: compute y rows 0..m-1, columns of row blocks [nb0, nb1). acc: m * kAccCols floats
-// of per-thread scratch. Never throw (they run inside an OpenMP region).
+// of per-thread scratch. Never throw (they run on the pool's threads, csrc/pool.h).
 void gemm_blocks_ref(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_avx2(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);

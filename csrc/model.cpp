@@ -21,6 +21,7 @@
 #include "bindings.h"
 #include "gemm.h"
 #include "model_ops.h"
+#include "pool.h"
 #include "profile.h"
 
 namespace py = pybind11;
@@ -46,6 +47,17 @@ struct WeightSet {
 // Row-wise ops (norms, RoPE, SiLU) are split over threads only for prefill-sized batches;
 // each row is computed the same way whichever thread runs it.
 constexpr int64_t kParallelRows = 16;
+
+template <class F>
+void for_rows(int64_t m, F&& f) {
+  if (m < kParallelRows) {
+    for (int64_t r = 0; r < m; ++r) f(r);
+    return;
+  }
+  parallel_for(m, 1, [&](int, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
 
 inline float bf16_to_f32(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
@@ -210,11 +222,9 @@ class Model {
     const int64_t half = hd_ / 2;
     for (int64_t l = 0; l < n_layers_; ++l) {
       const LayerSet& L = ws.layers[l];
-#pragma omp parallel for if (m >= kParallelRows)
-      for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]);
+      for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]); });
       timed_gemm(kQkv, *L.wqkv, x_.data(), d_, qkv_.data(), qkv_n, m);
-#pragma omp parallel for if (m >= kParallelRows)
-      for (int64_t r = 0; r < m; ++r) {
+      for_rows(m, [&](int64_t r) {
         float* row = &qkv_[r * qkv_n];
         if (!bqkv_[l].empty())
           for (int64_t i = 0; i < qkv_n; ++i) row[i] += bqkv_[l][i];
@@ -229,7 +239,7 @@ class Model {
           kd[i] = f32_to_bf16(row[q_n + i]);
           vd[i] = f32_to_bf16(row[q_n + kv_n + i]);
         }
-      }
+      });
       AttnArgs a;
       a.q = q_.data();
       a.out = att_.data();
@@ -248,11 +258,9 @@ class Model {
       prof_.attention_idle_thread += attn_idle.idle_thread_s;
       timed_gemm(kO, *L.wo, att_.data(), q_n, tmp_.data(), d_, m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
-#pragma omp parallel for if (m >= kParallelRows)
-      for (int64_t r = 0; r < m; ++r) rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]);
+      for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]); });
       timed_gemm(kGateUp, *L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
-#pragma omp parallel for if (m >= kParallelRows)
-      for (int64_t r = 0; r < m; ++r) silu_mul(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_);
+      for_rows(m, [&](int64_t r) { silu_mul(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_); });
       timed_gemm(kDown, *L.wdown, act_.data(), f_, tmp_.data(), d_, m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }

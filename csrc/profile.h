@@ -7,6 +7,7 @@
 // files, so its inline functions are always compiled for the baseline.
 #pragma once
 #include <chrono>
+#include <cstdint>
 
 namespace qspec {
 
@@ -14,6 +15,10 @@ using ProfClock = std::chrono::steady_clock;
 
 inline double seconds_between(ProfClock::time_point a, ProfClock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+inline int64_t nanoseconds_between(ProfClock::time_point a, ProfClock::time_point b) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();
 }
 
 // Idle and synchronisation time of parallel regions: each thread times its own stretch of work

@@ -418,6 +418,33 @@ def test_thread_count_invariance(fmt, rng, threads):
         np.testing.assert_array_equal(y1, y2, err_msg=p)
 
 
+POOL_STRESS = """
+import numpy as np
+from qspec import _C
+rng = np.random.default_rng(7)
+w = (rng.standard_normal((1000, 576), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+pw = _C.pack_bf16(w)
+x = rng.standard_normal((5, 576)).astype(np.float32)
+_C.set_num_threads(1)
+want = _C.gemm(pw, x)
+for t in rng.integers(1, 7, size=300):
+    _C.set_num_threads(int(t))  # workers stopped and started between jobs, some never joining
+    assert _C.get_num_threads() == t
+    np.testing.assert_array_equal(_C.gemm(pw, x), want)
+print("ok")
+"""
+
+
+def test_thread_pool_resizes_without_hang_or_change():
+    """More threads than cores and the count changed 300 times: same bits, no hang (own process,
+    so a deadlock fails the test instead of stopping the run)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", POOL_STRESS], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_batch_invariance_exhaustive(fmt, rng):

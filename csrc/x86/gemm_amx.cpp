@@ -182,7 +182,7 @@ void verify_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t prefetch
 
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   const int64_t prefetch = a.prefetch > 0 ? a.prefetch : kDefaultPrefetch;
-  configure_tiles();  // tile state is per thread: every OpenMP thread configures its own
+  configure_tiles();  // tile state is per thread: every thread of the pool configures its own
   switch ((a.mpad + 15) / 16) {
     case 1: verify_blocks<1>(a, nb0, nb1, prefetch); break;
     case 2: verify_blocks<2>(a, nb0, nb1, prefetch); break;
