@@ -133,7 +133,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
 
 def format_stats(s: dict[str, float]) -> str:
-    prefill = "cached" if s.get("cached_prompt_tokens") else f"{1e3 * s.get('prefill_s', 0):.1f} ms"
+    cached = s.get("cached_prompt_tokens", 0)
+    prefill = f"{1e3 * s.get('prefill_s', 0):.1f} ms" + (f" ({cached:.0f} tok cached)" if cached else "")
     line = (f"prompt {s.get('prompt_tokens', 0):.0f} tok, prefill {prefill} | "
             f"{s.get('new_tokens', 0):.0f} new tok, decode {s.get('tokens_per_s', 0):.1f} tok/s")
     if s.get("drafted"):
