@@ -213,17 +213,19 @@ class Engine:
         kv = self.backend.kv
         gen = None if params.greedy else params.generator()
         n, t_start = 0, time.perf_counter()
-        while True:
-            tok = argmax(logits) if gen is None else sample(warp(logits, params), gen)
-            n += 1
-            yield tok
-            if tok in self.eos_ids or n == max_new:
-                break
-            logits = self.backend.forward([tok], kv.length)[-1]
-            kv.length += 1
-        decode_s = time.perf_counter() - t_start
-        stats.update(new_tokens=n, decode_s=decode_s,
-                     tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0)
+        try:
+            while True:
+                tok = argmax(logits) if gen is None else sample(warp(logits, params), gen)
+                n += 1
+                yield tok
+                if tok in self.eos_ids or n == max_new:
+                    break
+                logits = self.backend.forward([tok], kv.length)[-1]
+                kv.length += 1
+        finally:  # also when the caller closes the generator early: stats of what was emitted
+            decode_s = time.perf_counter() - t_start
+            stats.update(new_tokens=n, decode_s=decode_s,
+                         tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0)
 
 
 def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:
