@@ -7,6 +7,7 @@ thread that runs generation, metrics.py the Prometheus metrics. Imported only by
 from __future__ import annotations
 
 import logging
+import signal
 
 from .app import Settings, create_app
 
@@ -28,4 +29,10 @@ def serve(engine, settings: Settings, host: str, port: int) -> None:
              settings.max_queue, ", API key required" if settings.api_key else "")
     config = uvicorn.Config(create_app(engine, settings), host=host, port=port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
-    uvicorn.Server(config).run()
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again with the handler it
+    # found: a no-op here, so that a graceful stop exits 0 (SIGINT still ends as "interrupted")
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
