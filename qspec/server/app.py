@@ -222,7 +222,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
                            headers={"Retry-After": str(e.retry_after)}) from None
         except ShuttingDown:
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
-        reply = Reply(job, chat, settings.model_id, metrics)
+        reply = Reply(job, chat, settings.model_id)
         watcher = asyncio.create_task(watch_disconnect(request, job))
         if req.stream:
             return StreamingResponse(reply.events(req.include_usage, watcher), media_type="text/event-stream",
@@ -238,8 +238,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
 class Reply:
     """A job's results in OpenAI's shapes: one JSON body, or chunks as server-sent events."""
 
-    def __init__(self, job: Job, chat: bool, model_id: str, metrics: Metrics):
-        self.job, self.chat, self.model_id, self.metrics = job, chat, model_id, metrics
+    def __init__(self, job: Job, chat: bool, model_id: str):
+        self.job, self.chat, self.model_id = job, chat, model_id
         self.created = int(time.time())
 
     def _base(self, obj: str) -> dict:
@@ -274,14 +274,6 @@ class Reply:
         out["queue_s"] = done["queue_s"]
         return out
 
-    def _finished(self, done: dict) -> None:
-        self.metrics.generation(done)
-        s = done["stats"]
-        acc = f", acceptance {100 * s['acceptance_rate']:.0f}%" if s.get("drafted") else ""
-        log.info("%s: prompt %d tok (%d cached), %d new tok, %.1f tok/s%s, %s", self.job.id, done["prompt_tokens"],
-                 s.get("cached_prompt_tokens", 0), done["completion_tokens"], s.get("tokens_per_s", 0.0), acc,
-                 done["finish_reason"])
-
     async def whole(self) -> dict:
         text = []
         while True:
@@ -293,7 +285,6 @@ class Reply:
             else:
                 if value is None:  # cancelled before it ran: nobody is waiting for this answer
                     raise ApiError(499, "the request was cancelled")
-                self._finished(value)
                 obj = "chat.completion" if self.chat else "text_completion"
                 return {**self._base(obj), "choices": [self._choice("".join(text), value["finish_reason"])],
                         "usage": self.usage(value), "qspec": self.extension(value)}
@@ -315,7 +306,6 @@ class Reply:
                 if kind == "error":
                     yield sse({"error": ApiError(500, "internal server error", type="server_error").body()})
                 elif value is not None:
-                    self._finished(value)
                     yield sse({**self._base(obj), "choices": [self._choice(None, value["finish_reason"])],
                                "qspec": self.extension(value)})
                     if include_usage:

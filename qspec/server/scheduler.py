@@ -150,13 +150,24 @@ class Scheduler:
             self.metrics.running.set(1)
             t0 = time.perf_counter()
             try:
-                job.emit("done", self._generate(job))
+                done = self._generate(job)
+                self._finished(job, done)
+                job.emit("done", done)
             except Exception as e:  # a bug or an engine failure: the request fails, the server lives
                 log.exception("request %s failed", job.id)
                 job.emit("error", e)
             finally:
                 self.metrics.running.set(0)
                 self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - t0)
+
+    def _finished(self, job: Job, done: dict) -> None:
+        """The request's metrics and its one log line (also when its client went away)."""
+        self.metrics.generation(done)
+        s = done["stats"]
+        acc = f", acceptance {100 * s['acceptance_rate']:.0f}%" if s.get("drafted") else ""
+        log.info("%s: prompt %d tok (%d cached), %d new tok, %.1f tok/s%s, %s", job.id, done["prompt_tokens"],
+                 s.get("cached_prompt_tokens", 0), done["completion_tokens"], s.get("tokens_per_s", 0.0), acc,
+                 done["finish_reason"])
 
     def _generate(self, job: Job) -> dict:
         stats: dict[str, float] = {}
