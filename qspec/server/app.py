@@ -205,7 +205,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
     async def complete(request: Request, req, chat: bool):
         if req.model != settings.model_id:
             raise unknown_model(req.model)
-        ids = prompt_ids(req, chat)
+        ids = await asyncio.to_thread(prompt_ids, req, chat)  # a long prompt takes a while to tokenize
         ctx, cap = settings.ctx, req.new_tokens_cap
         if len(ids) >= ctx or cap is not None and len(ids) + cap > ctx:
             asked = f"{len(ids)} in the prompt" + (f" + {cap} for the completion" if cap is not None else "")
