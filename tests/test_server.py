@@ -42,6 +42,38 @@ def client(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
 
 
+class PieceTokenizer:
+    """decode() of ids that index a list of text pieces."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize("pieces,stops,want,stopped", [
+    (["Hel", "lo", " wor", "ld"], [], ["Hel", "lo", " wor", "ld"], False),
+    (["a", "b", "ST", "OP", "c"], ["STOP"], ["a", "b", "", ""], True),        # held back, then cut
+    (["a", "S", "x", "b"], ["ST"], ["a", "", "Sx", "b"], False),           # held back, then released
+    (["xx", "AB", "CD"], ["BC", "ABX"], ["xx", "", "A"], True),              # the earliest match wins
+    (["one ", "\ufffd", "two"], [], ["one ", "", "\ufffdtwo"], False),
+])
+def test_text_stream_cuts_at_stop_strings(pieces, stops, want, stopped):
+    from qspec.server.scheduler import TextStream
+
+    ts = TextStream(PieceTokenizer(pieces), stops)
+    got = []
+    for i in range(len(pieces)):
+        got.append(ts.push(i))
+        if ts.stopped:
+            break
+    assert got == want and ts.stopped == stopped
+    full = "".join(pieces)
+    cut = min([full.index(s) for s in stops if s in full], default=len(full))
+    assert "".join(got) + ts.finish() == full[:cut]
+
+
 def test_openai_client_matches_engine_generate(client, engine):
     """Greedy output through the server (both endpoints, JSON and streamed) is Engine.generate's."""
     want = engine.generate(CHAT, max_new_tokens=12)
