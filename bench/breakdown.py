@@ -99,20 +99,20 @@ def case_rows(samples: dict, ms: list[int]) -> list[dict]:
 
 
 def controller_share(eng, prompts: list[str], n_new: int) -> dict:
-    """Speculative decoding (default settings, greedy) of each prompt, run twice: the second run
-    skips the prefill (the engine keeps the prompt's rows), so the native profile of that run
-    covers exactly the decode. Shares of decode time: native forward, Python around the
+    """Speculative decoding (default settings, greedy) of each prompt, token ids as they come
+    (Engine.tokens): the native profile is reset once the first token is out, after the prefill,
+    so it covers exactly the decode. Shares of decode time: native forward, Python around the
     draft/verify forwards (backend.forward, the draft loop), the rest of the controller."""
     model = eng.backend.model
     decode = phases = native = 0.0
     steps = tokens = 0
     for p in prompts:
-        eng.generate(p, max_new_tokens=n_new)
+        s: dict = {}
+        it = eng.tokens(p, max_new_tokens=n_new, stats=s)
+        next(it)  # the prefill and the first token
         model.profile_reset()
-        s = eng.generate(p, max_new_tokens=n_new).stats
-        if not s["cached_prompt_tokens"]:
-            raise SystemExit("bench: error: the second run of a prompt was prefilled again; "
-                             "its profile would not be the decode alone")
+        for _ in it:
+            pass
         decode += s["decode_s"]
         phases += s["draft_s"] + s["verify_s"]
         native += model.profile()["total_s"]

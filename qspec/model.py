@@ -88,6 +88,8 @@ class TorchBackend:
         self.kv = KVCache(cfg, 0, dtype=np.float32)
 
     def forward(self, tokens, start_pos: int, *, all_logits: bool = False) -> np.ndarray:
+        # nothing recorded for reuse: torch's GEMMs are not batch-invariant (a row computed in a
+        # prefill of M rows need not match the same row computed alone), so every prompt is prefilled
         self.kv.writing(start_pos)
         logits = self.model.forward(torch.as_tensor(list(tokens), dtype=torch.long), start_pos, self.kv)
         return (logits if all_logits else logits[-1:]).numpy()

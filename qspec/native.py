@@ -237,7 +237,9 @@ class NativeBackend:
             self._logits = np.empty((rows, self.cfg.vocab_size), dtype=np.float32)
         self._ensure_rope(start_pos + m)
         out = self._logits[:rows]
-        self.kv.writing(start_pos)
+        # every op is batch-invariant (docs/architecture.md): a target row's bits depend only on the
+        # ids up to it, so they are recorded for reuse; draft rows are provisional MX rows
+        self.kv.writing(start_pos, None if draft else tokens, self.kernel_path)
         self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, self.kv.data,
                            DRAFT if draft else TARGET, all_logits, out)
         return out.copy()  # the buffer is reused by the next call

@@ -162,63 +162,64 @@ def speculative_tokens(backend, first_logits: np.ndarray, max_new: int, params: 
     gen = None if params.greedy else params.generator()
     drafted = accepted = steps = 0
     draft_s = verify_s = 0.0
-    t_start = time.perf_counter()
-
-    tok = argmax(first_logits) if gen is None else sample(warp(first_logits, params), gen)
-    n = 1
-    yield tok
-    while tok not in eos_ids and n < max_new:
-        base = kv.length  # position of `tok`
-        k = cost.choose() if cost else dp.k_cap
-        k = min(k, max_new - n - 1)  # never draft past what may still be emitted
-        # 1. draft
-        t0 = time.perf_counter()
-        drafts: list[int] = []
-        qs: list[np.ndarray] = []
-        prev = tok
-        for j in range(k):
-            lg = backend.forward([prev], base + j, draft=True)[-1]
+    n, t_start = 0, time.perf_counter()
+    try:
+        tok = argmax(first_logits) if gen is None else sample(warp(first_logits, params), gen)
+        n = 1
+        yield tok
+        while tok not in eos_ids and n < max_new:
+            base = kv.length  # position of `tok`
+            k = cost.choose() if cost else dp.k_cap
+            k = min(k, max_new - n - 1)  # never draft past what may still be emitted
+            # 1. draft
+            t0 = time.perf_counter()
+            drafts: list[int] = []
+            qs: list[np.ndarray] = []
+            prev = tok
+            for j in range(k):
+                lg = backend.forward([prev], base + j, draft=True)[-1]
+                if gen is None:
+                    d = argmax(lg)
+                    conf = top1_prob(lg, d) if dp.draft_p_min > 0 else 1.0
+                else:
+                    q = warp(lg, params)
+                    d = sample(q, gen)
+                    qs.append(q)
+                    conf = float(q.max())
+                drafts.append(d)
+                prev = d
+                if conf < dp.draft_p_min and j + 1 >= dp.draft_min:
+                    break
+            t1 = time.perf_counter()
+            # 2. verify [tok, d1..dK] in one target pass (overwrites the provisional K/V rows)
+            rows = backend.forward([tok] + drafts, base, all_logits=True)
+            t2 = time.perf_counter()
+            # 3. accept
             if gen is None:
-                d = argmax(lg)
-                conf = top1_prob(lg, d) if dp.draft_p_min > 0 else 1.0
+                target = argmax(rows)
+                a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
+                nxt = target[a]
             else:
-                q = warp(lg, params)
-                d = sample(q, gen)
-                qs.append(q)
-                conf = float(q.max())
-            drafts.append(d)
-            prev = d
-            if conf < dp.draft_p_min and j + 1 >= dp.draft_min:
-                break
-        t1 = time.perf_counter()
-        # 2. verify [tok, d1..dK] in one target pass (overwrites the provisional K/V rows)
-        rows = backend.forward([tok] + drafts, base, all_logits=True)
-        t2 = time.perf_counter()
-        # 3. accept
-        if gen is None:
-            target = argmax(rows)
-            a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
-            nxt = target[a]
-        else:
-            a, nxt = _accept_sampled(drafts, qs, rows, params, gen)
-        # 4. commit tok + accepted drafts; the rest of the rows are simply not counted
-        kv.length = base + 1 + a
-        steps += 1
-        drafted += len(drafts)
-        accepted += a
-        draft_s += t1 - t0
-        verify_s += t2 - t1
-        if cost:
-            cost.observe(len(drafts), a, t1 - t0, t2 - t1)
-        for t in drafts[:a] + [nxt]:
-            tok = t
-            n += 1
-            yield t
-            if t in eos_ids or n == max_new:
-                break
-    decode_s = time.perf_counter() - t_start
-    stats.update(new_tokens=n, decode_s=decode_s, tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
-                 drafted=drafted, accepted=accepted,
-                 acceptance_rate=accepted / drafted if drafted else 0.0,
-                 tokens_per_step=(n - 1) / steps if steps else 0.0, draft_s=draft_s, verify_s=verify_s,
-                 steps=steps)
+                a, nxt = _accept_sampled(drafts, qs, rows, params, gen)
+            # 4. commit tok + accepted drafts; the rest of the rows are simply not counted
+            kv.length = base + 1 + a
+            steps += 1
+            drafted += len(drafts)
+            accepted += a
+            draft_s += t1 - t0
+            verify_s += t2 - t1
+            if cost:
+                cost.observe(len(drafts), a, t1 - t0, t2 - t1)
+            for t in drafts[:a] + [nxt]:
+                tok = t
+                n += 1
+                yield t
+                if t in eos_ids or n == max_new:
+                    break
+    finally:  # also when the caller closes the generator early: stats of what was emitted
+        decode_s = time.perf_counter() - t_start
+        stats.update(new_tokens=n, decode_s=decode_s, tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
+                     drafted=drafted, accepted=accepted,
+                     acceptance_rate=accepted / drafted if drafted else 0.0,
+                     tokens_per_step=(n - 1) / steps if steps else 0.0, draft_s=draft_s, verify_s=verify_s,
+                     steps=steps)

@@ -13,6 +13,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from .errors import ModelLoadError
 
+TemplateError = jinja2.exceptions.TemplateError
+
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
@@ -83,10 +85,12 @@ class Tokenizer:
         return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-    def encode_chat(self, prompt: str) -> list[int]:
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
         # transformers tokenizes a rendered template without adding special tokens again
-        return self.encode(self.apply_chat_template([{"role": "user", "content": prompt}]),
-                           add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        return self.encode_messages([{"role": "user", "content": prompt}])
 
 
 END_MARKERS = frozenset({"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",

@@ -76,6 +76,10 @@ def test_quantize_then_generate_from_draft_file(default_model_dir, tmp_path):
     (["generate", "--bogus-flag", "hi"], ["--bogus-flag"]),
     (["generate", "--draft-file", "/nonexistent.safetensors", "hi"], ["/nonexistent.safetensors"]),
     (["convert", "/nonexistent.gguf", "/tmp/qspec-never"], ["/nonexistent.gguf"]),
+    (["serve", "-c", "1000000"], ["--ctx-size", "8192"]),
+    (["serve", "--draft-max", "0"], ["draft-max"]),
+    (["serve", "--port", "http"], ["--port"]),
+    (["serve", "-m", "/nonexistent/model"], ["/nonexistent/model"]),
 ])
 def test_user_errors_are_one_line(args, words):
     r = run(*args)

@@ -290,23 +290,75 @@ def test_default_draft_follows_model_size(default_model_dir):
     assert qspec.engine.resolve_draft_spec("mxfp8_e4m3", None, small) == qspec.engine.DraftSpec("mxfp8_e4m3", "mxfp8_e4m3")
 
 
-def test_repeated_prompt_skips_its_prefill(default_model_dir):
-    """The same prompt again reuses its cache rows (bit-identical state), in either mode; a different
-    prompt, another ISA level or any write over the prompt's rows runs the prefill again."""
+def full_prefill(eng, prompt, **kw):
+    """generate() after forgetting the cache's rows: the reference, prefilled in full."""
+    eng.backend.kv.forget()
+    r = eng.generate(prompt, **kw)
+    assert r.stats["cached_prompt_tokens"] == 0
+    return r
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prefix_reuse_is_bit_identical(default_model_dir, speculative):
+    """A prompt starting with ids the cache holds as target rows prefills only the rest (at least
+    its last token, for the logits); greedy output is the same with and without reuse: the same
+    prompt again, a chat's next turn (turn 1's prompt + answer + a new message) and a prompt that
+    is a strict prefix of what the cache holds."""
     eng = engine_for(default_model_dir, "mxfp4")
-    p, q = dev_prompts()[2], dev_prompts()[5]
-    first = eng.generate(p, max_new_tokens=24, speculative=False)
-    assert first.stats["cached_prompt_tokens"] == 0 and first.stats["prefill_s"] > 0
-    spec = eng.generate(p, max_new_tokens=24, draft_max=4)
-    again = eng.generate(p, max_new_tokens=24, speculative=False)
-    for r in (spec, again):
-        assert r.stats["cached_prompt_tokens"] == r.stats["prompt_tokens"] and r.stats["prefill_s"] == 0
-        assert r.tokens == first.tokens
-    assert eng.generate(q, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
-    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
-    eng.backend.forward([1, 2], 0)  # a pass over the prompt's rows forgets it
+    kw = dict(max_new_tokens=24, speculative=speculative, draft_max=4)
+    p = dev_prompts()[2]
+    first = full_prefill(eng, p, **kw)
+    again = eng.generate(p, **kw)
+    assert again.stats["cached_prompt_tokens"] == again.stats["prompt_tokens"] - 1
+    assert again.tokens == first.tokens
+
+    turn1 = [{"role": "user", "content": "What is the capital of France?"}]
+    r1 = eng.generate(turn1, **kw)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And of Spain?"}]
+    ids1, ids2 = eng.encode_messages(turn1), eng.encode_messages(turn2)
+    assert ids2[:len(ids1) + len(r1.tokens)] == ids1 + r1.tokens  # the template allows full reuse
+    r2 = eng.generate(turn2, **kw)
+    assert r2.stats["cached_prompt_tokens"] >= len(ids1) + len(r1.tokens) - 1
+    kv_reused = eng.backend.kv.data[:, :, :len(ids2)].copy()
+    ref = full_prefill(eng, turn2, **kw)
+    assert r2.tokens == ref.tokens
+    if not speculative:  # rows after the prompt differ by the drafts' provisional rows
+        assert np.array_equal(kv_reused, eng.backend.kv.data[:, :, :len(ids2)])
+
+    ids = eng.encode_prompt(p) + first.tokens[:5]  # held: the prompt and the answer's first rows
+    eng.generate(p, **kw)
+    strict = eng.generate(ids, **kw)
+    assert strict.stats["cached_prompt_tokens"] == len(ids) - 1
+    assert strict.tokens == full_prefill(eng, ids, **kw).tokens
+
+
+def test_prefix_reuse_needs_target_rows_of_the_same_kernels(default_model_dir):
+    """Draft passes and another ISA level invalidate what they would change; the torch reference
+    (not batch-invariant) records nothing."""
+    eng = engine_for(default_model_dir, "mxfp4")
+    p = dev_prompts()[5]
+    eng.generate(p, max_new_tokens=4)
+    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] > 0
+    eng.backend.forward([1, 2], 3, draft=True)  # provisional rows from position 3 on
+    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 3
+    eng.backend.kv.forget()
     assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
     if len(ISA_LEVELS) > 1:
         _C.set_isa_limit(ISA_LEVELS[-2])
-        r = eng.generate(p, max_new_tokens=4)
-        assert r.stats["cached_prompt_tokens"] == 0
+        assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
+    ref = qspec.load(default_model_dir, backend="torch", draft=None)
+    for _ in range(2):
+        assert ref.generate(p, max_new_tokens=2).stats["cached_prompt_tokens"] == 0
+
+
+def test_closing_a_generation_early_leaves_the_engine_ready(default_model_dir):
+    """A caller that stops iterating Engine.tokens (a server whose client went away) leaves a
+    consistent cache: the next generation is what it would have been."""
+    eng = engine_for(default_model_dir, "mxfp4")
+    p, q = dev_prompts()[1], dev_prompts()[3]
+    want = full_prefill(eng, q, max_new_tokens=16).tokens
+    it = eng.tokens(p, max_new_tokens=64)
+    for _ in range(10):
+        next(it)
+    it.close()
+    assert eng.generate(q, max_new_tokens=16).tokens == want

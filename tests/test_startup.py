@@ -85,7 +85,8 @@ def test_cli_never_imports_torch(default_model_dir, warm, argv, ok):
                 rc = main({argv!r})
             except SystemExit as e:  # --help
                 rc = e.code
-        print(json.dumps(dict(rc=rc, torch="torch" in sys.modules)))
+        print(json.dumps(dict(rc=rc, torch="torch" in sys.modules, server="fastapi" in sys.modules)))
     """, root / "cache", argv=[a.format(model=default_model_dir) for a in argv])
     assert out["torch"] is False
+    assert out["server"] is False  # only `qspec serve` imports the server's libraries
     assert (out["rc"] == 0) == ok, out

@@ -1,0 +1,202 @@
+"""One worker thread runs every generation, first come first served; the event loop only queues
+jobs and relays what they produce.
+
+The engine has one KV cache, so generations run one at a time. Requests wait in a bounded FIFO
+(`max_queue` waiting beyond the running one; more are refused with a Retry-After estimate). The
+worker hands each text delta to the request's asyncio queue with call_soon_threadsafe, checks
+the job's cancel flag after every token (a client that went away, a stop string that matched)
+and then closes the engine's token generator, which leaves the cache ready for the next prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("qspec.server")
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__("the server is busy: too many requests are waiting")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One generation: prompt ids, limits, sampling, and where its results go."""
+
+    id: str
+    ids: list[int]
+    max_new: int
+    sampling: dict                  # temperature, top_p, seed (Engine.tokens keywords)
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("delta", str) ... ("done" | "error", ...)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, kind: str, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+class TextStream:
+    """Token ids -> text deltas: whole characters only, cut before the first stop string.
+
+    While streaming, a tail of the text that could be the start of a stop string is held back
+    until the next tokens show whether it is one. The concatenated deltas equal
+    tokenizer.decode(tokens) cut at the first stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self._tok = tokenizer
+        self._stops = stops
+        self._ids: list[int] = []
+        self._decoded = 0   # characters of decode(ids) taken into _pending or emitted
+        self._pending = ""  # text held back: a possible start of a stop string
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        return self._take(text)
+
+    def finish(self) -> str:
+        """The rest of the text once generation has ended."""
+        out = "" if self.stopped else self._take(self._tok.decode(self._ids))
+        rest, self._pending = self._pending, ""
+        return out + ("" if self.stopped else rest)
+
+    def _take(self, text: str) -> str:
+        buf = self._pending + text[self._decoded:]
+        self._decoded = len(text)
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._pending = ""
+            return buf[:min(hits)]
+        hold = max((k for s in self._stops for k in range(1, min(len(s), len(buf) + 1))
+                    if buf.endswith(s[:k])), default=0)
+        self._pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold]
+
+
+class Scheduler:
+    def __init__(self, engine, draft_kwargs: dict, max_queue: int, metrics):
+        self.engine = engine
+        self.draft_kwargs = draft_kwargs
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._job_seconds = 1.0  # EMA of a job's run time, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="qspec-generate", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDown()
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(max(1, min(60, math.ceil(self._job_seconds * (len(self._waiting) + 1)))))
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cv.notify()
+
+    def stop(self, timeout: float) -> None:
+        """Refuse new jobs, let the waiting and running ones finish (up to `timeout` seconds:
+        then the rest are cancelled), and end the worker."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cv:
+                for job in self._waiting:
+                    job.cancel()
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stopping:
+                    self._cv.wait()
+                if not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                self.metrics.queue_depth.set(len(self._waiting))
+            if job.cancelled.is_set():
+                job.emit("done", None)
+                continue
+            self.metrics.running.set(1)
+            t0 = time.perf_counter()
+            try:
+                done = self._generate(job)
+                self._finished(job, done)
+                job.emit("done", done)
+            except Exception as e:  # a bug or an engine failure: the request fails, the server lives
+                log.exception("request %s failed", job.id)
+                job.emit("error", e)
+            finally:
+                self.metrics.running.set(0)
+                self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - t0)
+
+    def _finished(self, job: Job, done: dict) -> None:
+        """The request's metrics and its one log line (also when its client went away)."""
+        self.metrics.generation(done)
+        s = done["stats"]
+        acc = f", acceptance {100 * s['acceptance_rate']:.0f}%" if s.get("drafted") else ""
+        log.info("%s: prompt %d tok (%d cached), %d new tok, %.1f tok/s%s, %s", job.id, done["prompt_tokens"],
+                 s.get("cached_prompt_tokens", 0), done["completion_tokens"], s.get("tokens_per_s", 0.0), acc,
+                 done["finish_reason"])
+
+    def _generate(self, job: Job) -> dict:
+        stats: dict[str, float] = {}
+        text = TextStream(self.engine.tokenizer, job.stops)
+        eos = self.engine.eos_ids
+        speculative = self.engine.draft is not None
+        started = time.perf_counter()
+        first_token_s = None
+        n, finish = 0, "length"
+        tokens = self.engine.tokens(job.ids, max_new_tokens=job.max_new, stats=stats, speculative=speculative,
+                                    **job.sampling, **self.draft_kwargs)
+        try:
+            for tok in tokens:
+                n += 1
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - job.queued_at
+                if job.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+                delta = text.push(tok)
+                if delta:
+                    job.emit("delta", delta)
+                if text.stopped or tok in eos:
+                    finish = "stop"
+                    break
+        finally:
+            tokens.close()  # fills the stats of what was emitted; the cache stays consistent
+        rest = text.finish()
+        if rest and finish != "cancelled":
+            job.emit("delta", rest)
+        return {"finish_reason": finish, "prompt_tokens": len(job.ids), "completion_tokens": n,
+                "stats": stats, "queue_s": started - job.queued_at, "first_token_s": first_token_s or 0.0}

@@ -1,0 +1,290 @@
+"""`qspec serve`: a real server process on loopback, driven by the official `openai` client and by
+raw HTTP (malformed requests, queue-full answers, disconnects, shutdown). Short generations
+keep the CI part quick; `-m slow` adds a soak of 1,000 requests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import signal
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+import qspec
+from qspec.bench import serve as bench_serve
+from qspec.bench.serve import ServerProcess
+
+MODEL = "smollm2-135m"
+CTX = 512
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess("--max-queue", "4", "-c", str(CTX), "-t", "2",
+                        log_path=tmp_path_factory.mktemp("serve") / "serve.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return qspec.load()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+
+
+class PieceTokenizer:
+    """decode() of ids that index a list of text pieces."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize("pieces,stops,want,stopped", [
+    (["Hel", "lo", " wor", "ld"], [], ["Hel", "lo", " wor", "ld"], False),
+    (["a", "b", "ST", "OP", "c"], ["STOP"], ["a", "b", "", ""], True),        # held back, then cut
+    (["a", "S", "x", "b"], ["ST"], ["a", "", "Sx", "b"], False),           # held back, then released
+    (["xx", "AB", "CD"], ["BC", "ABX"], ["xx", "", "A"], True),              # the earliest match wins
+    (["one ", "\ufffd", "two"], [], ["one ", "", "\ufffdtwo"], False),
+])
+def test_text_stream_cuts_at_stop_strings(pieces, stops, want, stopped):
+    from qspec.server.scheduler import TextStream
+
+    ts = TextStream(PieceTokenizer(pieces), stops)
+    got = []
+    for i in range(len(pieces)):
+        got.append(ts.push(i))
+        if ts.stopped:
+            break
+    assert got == want and ts.stopped == stopped
+    full = "".join(pieces)
+    cut = min([full.index(s) for s in stops if s in full], default=len(full))
+    assert "".join(got) + ts.finish() == full[:cut]
+
+
+def test_openai_client_matches_engine_generate(client, engine):
+    """Greedy output through the server (both endpoints, JSON and streamed) is Engine.generate's."""
+    want = engine.generate(CHAT, max_new_tokens=12)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(engine.encode_messages(CHAT))
+    assert r.usage.completion_tokens == len(want.tokens)
+    assert r.choices[0].finish_reason == ("stop" if want.tokens[-1] in engine.eos_ids else "length")
+    ext = r.model_extra["qspec"]
+    assert ext["drafted"] >= ext["accepted"] >= 0 and 0 <= ext["acceptance_rate"] <= 1 and ext["decode_s"] > 0
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.tokens)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+    prompt = "The three primary colors are"
+    want = engine.generate(prompt, max_new_tokens=10, chat=False)
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=10)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(engine.encode_prompt(prompt, chat=False))
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=10, stream=True))
+    assert streamed == want.text
+    assert client.models.list().data[0].id == MODEL
+
+
+def test_stop_strings_and_sampling(client, engine):
+    want = engine.generate(prompt := "Count: 1, 2, 3,", max_new_tokens=16, chat=False).text
+    assert len(want) > 8
+    stop = want[5:8]
+    cut = want[:want.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16, stop=[stop],
+                                      stream=stream)
+        chunks = list(r) if stream else [r]
+        assert "".join(c.choices[0].text for c in chunks) == cut
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    kw = dict(model=MODEL, prompt=prompt, temperature=0.9, top_p=0.9, seed=7, max_tokens=8)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_multi_turn_chat_reuses_the_previous_turn(client):
+    r1 = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24)
+    turn2 = CHAT + [{"role": "assistant", "content": r1.choices[0].message.content},
+                    {"role": "user", "content": "And of Spain?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=turn2, temperature=0, max_tokens=8)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert r2.model_extra["qspec"]["cached_prompt_tokens"] == r2.usage.prompt_tokens_details.cached_tokens
+
+
+def test_concurrent_clients_all_answered_queue_full_well_formed(server, engine):
+    """32 clients at once, queue of 4: every client ends with its own answer; the 503s on the way
+    carry an OpenAI error and Retry-After."""
+    prompts = [f"Item {i % 8}: the word for number {i % 8} is" for i in range(32)]  # 8 answers to know
+    answers = [engine.generate(p, max_new_tokens=2, chat=False).text for p in prompts[:8]]
+    want = {i: answers[i % 8] for i in range(32)}
+    results: dict[int, str] = {}
+    refusals: list[tuple[dict, dict]] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for _ in range(100):  # bounded: a lost request fails the test instead of hanging it
+            status, headers, body = server.request("POST", "/v1/completions", {
+                "model": MODEL, "prompt": prompts[i], "temperature": 0, "max_tokens": 2})
+            if status == 200:
+                with lock:
+                    results[i] = body["choices"][0]["text"]
+                return
+            with lock:
+                refusals.append((headers, body))
+            time.sleep(random.uniform(0.3, 1.0) * min(1, int(headers.get("Retry-After", 1))))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert results == want
+    assert refusals, "a queue of 4 should have refused some of 32 simultaneous requests"
+    for headers, body in refusals:
+        assert body["error"]["code"] == "queue_full" and body["error"]["message"]
+        assert int(headers["Retry-After"]) >= 1
+
+
+def test_disconnect_mid_stream_frees_the_engine(server):
+    """A client that goes away mid-stream: its generation stops at the next token (the log line
+    says "cancelled", far short of max_tokens) and the next request is served."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": MODEL, "prompt": "Write a very long story.", "max_tokens": CTX - 16, "stream": True,
+         "temperature": 0.8, "seed": 1}), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    first = json.loads(r.readline()[6:])
+    assert r.status == 200
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    status, _, body = server.request("POST", "/v1/completions",
+                                     {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2
+    line = next(x for x in server.log_text().splitlines() if first["id"] in x)
+    new_tokens = int(line.split(" new tok")[0].rsplit(" ", 1)[1])
+    assert line.endswith("cancelled") and new_tokens < CTX // 2, line
+
+
+def test_malformed_requests_get_openai_errors(server):
+    chat = {"model": MODEL, "messages": CHAT}
+    cases = [
+        ("POST", "/v1/chat/completions", "{not json", 400, None),
+        ("POST", "/v1/chat/completions", "[1, 2]", 400, None),
+        ("POST", "/v1/chat/completions", {**chat, "max_tokens": "many"}, 400, "max_tokens"),
+        ("POST", "/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature"),
+        ("POST", "/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("POST", "/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, None),
+        ("POST", "/v1/chat/completions", {**chat, "logprobs": True}, 400, None),
+        ("POST", "/v1/chat/completions", {**chat, "frobnicate": 1}, 400, None),
+        ("POST", "/v1/chat/completions", {k: v for k, v in chat.items() if k != "model"}, 400, "model"),
+        ("POST", "/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "word " * CTX}, 400, "prompt"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": CTX}, 400, "prompt"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "x" * (2 << 20)}, 413, None),
+        ("GET", "/v1/completions", None, 405, None),
+        ("GET", "/v1/nothing", None, 404, None),
+    ]
+    for method, path, body, status, param in cases:
+        got, _, data = server.request(method, path, body)
+        assert got == status, (body if not isinstance(body, str) else body[:40], got, data)
+        err = data["error"]
+        assert err["message"] and "Traceback" not in err["message"] and err["type"]
+        if param:
+            assert err["param"] == param, err
+    _, _, data = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "word " * CTX})
+    assert str(CTX) in data["error"]["message"]  # names the limit
+    assert server.request("POST", "/v1/chat/completions", {**chat, "max_tokens": 2, "user": "u1",
+                                                           "presence_penalty": 0, "logprobs": False})[0] == 200
+
+
+def test_api_key(tmp_path):
+    srv = ServerProcess("--api-key", "s3cret", "-c", "256", log_path=tmp_path / "serve.log")
+    try:
+        assert srv.request("GET", "/health")[0] == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            status, _, data = srv.request("GET", "/v1/models", headers=headers)
+            assert status == 401 and data["error"]["code"] == "invalid_api_key"
+            assert srv.request("GET", "/metrics", headers=headers)[0] == 401
+        assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+        ok = openai.OpenAI(base_url=srv.base + "/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens <= 2
+        bad = openai.OpenAI(base_url=srv.base + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert "Traceback" not in srv.log_text()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_graceful_shutdown_finishes_the_stream_in_flight(tmp_path):
+    srv = ServerProcess("-c", "256", log_path=tmp_path / "serve.log")
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "stream": True, "temperature": 0}),
+            headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.readline().startswith(b"data: ")
+        srv.proc.send_signal(signal.SIGTERM)
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+        assert srv.stop(timeout=30) == 0
+        with pytest.raises(OSError):
+            srv.request("GET", "/health", timeout=5)
+        assert "Traceback" not in srv.log_text()
+    finally:
+        conn.close()
+        srv.stop()
+
+
+def test_bench_serve_quick(tmp_path, capsys):
+    out = tmp_path / "serve.jsonl"
+    bench_serve.main(["--quick", "--prompts", "1", "--max-new", "8", "--reps", "1", "--clients", "2",
+                      "--requests", "2", "--turns", "2", "--json", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["case"] for r in rows] == ["stream", "concurrency", "multi_turn"]
+    assert rows[0]["served_tokens_per_s"] > 0 and rows[0]["engine_tokens_per_s"] > 0 and rows[0]["new_tokens"] == 8
+    assert rows[1]["requests_per_s"] > 0
+    assert rows[2]["cached_tokens"] > 0 and rows[2]["prefill_reuse_s"] > 0
+    assert "target >= 97%" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_soak_thousand_requests_rss_stable(server):
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+
+    def burst(n: int) -> None:
+        for i in range(n):
+            body = {"model": MODEL, "max_tokens": 2, "temperature": 0.5, "seed": i, "stream": i % 2 == 0}
+            if i % 3:
+                status = server.request("POST", "/v1/completions", {**body, "prompt": f"Note {i}:"})[0]
+            else:
+                status = server.request("POST", "/v1/chat/completions",
+                                        {**body, "messages": [{"role": "user", "content": f"Say {i}"}]})[0]
+            assert status == 200
+
+    burst(200)
+    rss = proc.memory_info().rss
+    burst(800)
+    assert proc.memory_info().rss - rss < 32 << 20
