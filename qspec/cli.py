@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .draft import DRAFT_FORMATS
 from .errors import QspecError
-from .levels import LEVEL_NAMES, MAX_LEVELS, NGRAM
+from .levels import LEVEL_HELP, MAX_LEVELS, NGRAM
 from .speculative import DRAFT_MAX_LIMIT
 
 UPPER_LEVELS = range(2, MAX_LEVELS + 1)  # --draft2 .. --draft4: the levels above --draft
@@ -77,9 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
     for i in UPPER_LEVELS:
-        g.add_argument(f"--draft{i}", choices=LEVEL_NAMES, default=None,
-                       help=f"level {i}: drafts for level {i - 1} (an MX format: a cheaper cast sharing the "
-                       "KV cache; ngram: prompt lookup, top level only)" if i == 2 else f"level {i} (as --draft2)")
+        g.add_argument(f"--draft{i}", metavar="LEVEL", default=None,
+                       help=f"level {i}, drafting for level {i - 1}: {LEVEL_HELP}" if i == 2 else
+                       f"level {i} (as --draft2)")
         g.add_argument(f"--draft{i}-max", type=_draft_max, default=None,
                        help=f"tokens level {i} drafts per pass of level {i - 1}: 1..32 or auto (default: auto; "
                        "the draft-max default when sampling)" if i == 2 else f"as --draft2-max, for level {i}")

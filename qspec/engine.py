@@ -16,7 +16,7 @@ from .errors import PromptTooLongError
 from .kv_cache import KVCache
 from .loader import load_weights
 from .sampling import SamplingParams, argmax, sample, warp
-from .levels import NGRAM, Chain, MXLevel, NgramLevel, check_formats, parse_chain
+from .levels import NGRAM, Chain, MXLevel, NgramLevel, check_formats, is_helper, parse_chain
 from .speculative import DRAFT_MAX_LIMIT, CostModel, DraftParams
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -282,7 +282,9 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     no weights), or None for no draft.
     `draft_levels`: the draft levels above the draft, level 2 first (at most 4 levels in all;
     qspec/levels.py): MX format names (each a cast of the target's weights with an LM head of its
-    own format, sharing the KV cache) and, at the top only, "ngram".
+    own format, sharing the KV cache), helper models (a known model name or a model directory
+    with the target's tokenizer, "PATH:FORMAT" for its MX cast; a KV cache of its own,
+    qspec/helper.py) and, at the top only, "ngram".
     `draft_file`: a `qspec quantize` file to memory-map instead of casting at load.
     `draft_lm_head`: "bf16" (share the target's LM head) or an MX format for the draft's copy.
     `cache`: keep the packed target/draft weights in $QSPEC_CACHE/packed and map them on later
@@ -323,7 +325,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     if spec is not None:
         chain[0] = spec.fmt
     check_formats(chain)
-    upper_specs = [DraftSpec(name, name) for name in chain[1:] if name != NGRAM]
+    from .helper import check_helper, load_helper
+
+    helpers = {name: check_helper(name, cfg, tok) for name in chain if is_helper(name)}  # before any weights
+    upper_specs = [DraftSpec(name, name) for name in chain[1:] if name != NGRAM and not is_helper(name)]
     weights = load_weights(model_dir, cfg, torch_threads=threads)
     if backend == "torch":
         from .model import TorchBackend
@@ -333,7 +338,15 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         from .native import native_backend
 
         be = native_backend(model_dir, cfg, weights, spec, draft_packed, cache=cache, upper_drafts=upper_specs)
-    # (the torch backend has no draft: draft="auto" there is plain decoding)
-    levels = [] if backend == "torch" else \
-        [NgramLevel() if name == NGRAM else MXLevel(be, i, name) for i, name in enumerate(chain, start=1)]
+    levels = []  # (the torch backend has no draft: draft="auto" there is plain decoding)
+    if backend == "native":
+        weight_set = 0
+        for name in chain:
+            if name == NGRAM:
+                levels.append(NgramLevel())
+            elif is_helper(name):
+                levels.append(load_helper(name, *helpers[name], cache))
+            else:  # the MX casts of the target take weight sets 1, 2, ... in chain order
+                weight_set += 1
+                levels.append(MXLevel(be, weight_set, name))
     return Engine(model_dir, cfg, tok, be, _eos_ids(model_dir, cfg, tok), levels)

@@ -14,6 +14,8 @@ tokens); the intermediate levels' choices change acceptance, never the output.
 Every MX level shares the target's KV cache (docs/architecture.md): a level's pass at position
 p writes provisional rows from p on, the level below overwrites them with its own when it checks
 those tokens, and the target's verify finally writes its own rows over everything it commits.
+A helper model (another model with the same vocabulary, qspec/helper.py) keeps a cache of its
+own and catches up on the tokens below it before each pass.
 
 Each level's draft length comes from its own CostModel (its "draft step" is the time the level
 takes per token it proposes, its "verify" the pass of the level below), or is fixed. A level
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -37,6 +40,8 @@ from .speculative import CostModel, DraftParams, _accept_sampled
 NGRAM = "ngram"
 LEVEL_NAMES = (NGRAM,) + DRAFT_FORMATS
 MAX_LEVELS = 4  # drafting levels above the target (the native model holds the target + 3 MX sets)
+LEVEL_HELP = (f"{', '.join(LEVEL_NAMES)} (ngram: top level only), or a helper model: a known name or a "
+              "model directory with the target's tokenizer, :FORMAT for its MX cast")
 
 
 class MXLevel:
@@ -46,8 +51,9 @@ class MXLevel:
         self.backend, self.weight_set, self.name = backend, weight_set, name
         self.bytes = backend.set_bytes[weight_set] if hasattr(backend, "set_bytes") else backend.target_bytes
 
-    def score(self, tokens: Sequence[int], pos: int) -> np.ndarray:
-        """Logits of every row of `tokens` run at positions pos.. (writing their K/V rows)."""
+    def score(self, tokens: Sequence[int], pos: int, context: Sequence[int] = ()) -> np.ndarray:
+        """Logits of every row of `tokens` run at positions pos.. (writing their K/V rows); the
+        rows before pos are the shared cache's (`context`, the tokens they hold, is not needed)."""
         if self.weight_set == 0:  # the Backend protocol: a target-only backend has no `draft`
             return self.backend.forward(tokens, pos, all_logits=True)
         return self.backend.forward(tokens, pos, all_logits=True, draft=self.weight_set)
@@ -81,17 +87,30 @@ class NgramLevel:
         return []
 
 
+def is_helper(name: str) -> bool:
+    """A level name that is not an MX format or ngram names a helper model: a known model name or
+    a model directory, optionally ":FORMAT" for its MX cast (qspec/helper.py)."""
+    return name not in LEVEL_NAMES
+
+
 def parse_chain(draft: str | None, draft_levels: Sequence[str]) -> list[str]:
     """The level names of a chain (level 1 = `draft`, then `draft_levels`), checked before anything
     is loaded: ValueError for an unknown name, a chain that is too long, n-gram below another level,
     or levels above no draft. `draft` may still be "auto" (resolved once the model's size is known)."""
+    from .fetch import MODELS
+    from .helper import split_helper
+
     if isinstance(draft_levels, str):
         draft_levels = [draft_levels]
     names = list(draft_levels)
     for name in names:
-        if not isinstance(name, str) or name not in LEVEL_NAMES:
-            raise ValueError(f"unknown draft level {name!r} (choose from {', '.join(LEVEL_NAMES)}; "
-                             "helper-model levels are not implemented yet)")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"unknown draft level {name!r}")
+        model = split_helper(name)[0]
+        if is_helper(name) and model.lower() not in MODELS and not any(c in model for c in "/\\.~") \
+                and not Path(model).exists():
+            raise ValueError(f"unknown draft level {name!r} (choose from {', '.join(LEVEL_NAMES)}, or a helper "
+                             "model: a known model name or a model directory, optionally :FORMAT)")
     if names and draft is None:
         raise ValueError("draft levels need a draft at level 1 (draft is none)")
     chain = ([draft] if draft is not None else []) + names
@@ -103,7 +122,7 @@ def parse_chain(draft: str | None, draft_levels: Sequence[str]) -> list[str]:
 
 
 def check_formats(chain: Sequence[str]) -> None:
-    """Each MX format at most once in a chain (a level drafting for its own copy gains nothing)."""
+    """Each MX format (and helper) at most once in a chain (a level drafting for its own copy gains nothing)."""
     for i, name in enumerate(chain):
         if name in chain[:i]:
             raise ValueError(f"draft level {i + 1} repeats level {chain.index(name) + 1} ({name})")
@@ -156,7 +175,7 @@ class Chain:
         top = i == len(self.levels) - 1
         while len(out) < want:
             if top:  # one token at a time; draft_p_min may stop early
-                tok, q, conf = self._pick(level.score([last], pos)[-1])
+                tok, q, conf = self._pick(level.score([last], pos, context + out)[-1])
                 new, new_rows = [tok], [q]
             else:
                 new, new_rows = self._round(i, last, pos, want - len(out) - 1, context + out)
@@ -176,7 +195,7 @@ class Chain:
         t0 = time.perf_counter()
         drafts, qs = self._draft(up, last, pos, k, context) if k else ([], [])
         t1 = time.perf_counter()
-        rows = self.levels[i].score([last] + drafts, pos)
+        rows = self.levels[i].score([last] + drafts, pos, context)
         t2 = time.perf_counter()
         if self.gen is None:
             best = argmax(rows)

@@ -180,9 +180,11 @@ def exact_second_token(eng, prompt, sp) -> np.ndarray:
     ("ngram", [], 3),                       # the deterministic-draft rule at the target
     ("mxfp8_e4m3", ["mxfp4"], [3, 2]),      # an MX level checking another one's samples
     ("mxfp4", ["ngram"], [3, 3]),           # an MX level checking n-gram proposals
+    ("mxfp8_e4m3", ["HELPER:mxfp4"], [3, 2]),  # a helper model (here: the model itself) with its own cache
 ])
 def test_chain_sampling_matches_target_distribution(tiny_model, draft, levels, draft_max):
     params = dict(temperature=1.0, top_k=10)
+    levels = [name.replace("HELPER", str(tiny_model)) for name in levels]
     eng = qspec.load(tiny_model, draft=draft, draft_levels=levels)
     # the prompt holds the greedy continuation of its own end: the n-gram drafter proposes it
     greedy = eng.generate([1, 5, 7], max_new_tokens=6, speculative=False).tokens
@@ -198,6 +200,54 @@ def test_chain_sampling_matches_target_distribution(tiny_model, draft, levels, d
         accepted += r.stats[f"level{top}_accepted"]
     assert drafted > 0 and accepted < drafted, "the top level should draft, and not always be right"
     assert _chi2_pvalue(counts, exact) > 1e-3
+
+
+# ---------------------------------------------------------------- helper models
+@pytest.fixture(scope="module")
+def random_helper(default_model_dir, tmp_path_factory):
+    """A tiny random model with the default model's tokenizer: a helper whose drafts are bad."""
+    import shutil
+
+    from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
+
+    cfg = synthetic_config("smollm2-135m", hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
+                           n_kv_heads=2, head_dim=16, max_seq_len=2048)
+    out = save_model_dir(tmp_path_factory.mktemp("helper"), cfg, synthetic_weights(cfg, seed=5))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / f, out / f)
+    return out
+
+
+def test_helper_levels_are_lossless(default_model_dir, random_helper):
+    """The default model's own MXFP4 cast as a helper (its own KV cache, catching up on what level 1
+    accepted) agrees with level 1 about as often as the shared-cache MXFP4 level; a random helper
+    is nearly never right, and costs nothing but speed."""
+    prompts = dev_prompts()[:1] + repetitive_prompts()[:1]
+    good = qspec.load(default_model_dir, draft="mxfp6_e2m3", draft_levels=[f"{default_model_dir}:mxfp4", "ngram"])
+    helper = good.levels[1]
+    assert helper.backend is not good.backend and helper.backend.kv is not good.backend.kv
+    check_chain_lossless(good, prompts, 32, [(2, [4, 3]), (3, [6, 3, 8])], ISA_LEVELS[-1])
+    r = good.generate(prompts[0], max_new_tokens=32, levels=2, draft_max=[4, 3])
+    assert r.stats["level2_accepted"] >= 0.3 * r.stats["level2_drafted"] > 0
+    del good, helper, r
+    bad = qspec.load(default_model_dir, draft="mxfp6_e2m3", draft_levels=[str(random_helper)])
+    check_chain_lossless(bad, prompts[:1], 32, [(2, [4, 3])], ISA_LEVELS[-1])
+    r = bad.generate(prompts[0], max_new_tokens=32, draft_max=[4, 3])
+    assert r.stats["level2_accepted"] <= 0.1 * r.stats["level2_drafted"]
+
+
+def test_helper_with_another_vocabulary_is_refused(default_model_dir, tiny_model, tmp_path):
+    with pytest.raises(qspec.ModelLoadError, match="vocabulary of 16 tokens"):
+        qspec.load(default_model_dir, draft_levels=[str(tiny_model)])
+    from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
+
+    cfg = synthetic_config("smollm2-135m", hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
+                           n_kv_heads=2, head_dim=16)
+    other = save_model_dir(tmp_path / "other", cfg, synthetic_weights(cfg))  # a word-level tokenizer, same size
+    with pytest.raises(qspec.ModelLoadError, match="tokenizer differs"):
+        qspec.load(default_model_dir, draft_levels=[str(other)])
+    with pytest.raises(qspec.ModelLoadError, match="no such file"):
+        qspec.load(default_model_dir, draft_levels=[str(tmp_path / "missing")])
 
 
 # ---------------------------------------------------------------- the cost model skips a level
@@ -238,7 +288,7 @@ def test_bad_chains_fail_before_loading():
     with pytest.raises(ValueError, match="repeats level 1"):
         check_formats(["mxfp4", "mxfp4"])
     # the chain is checked before the model is looked for
-    for kw in (dict(draft_levels=["/some/helper"]), dict(draft=None, draft_levels=["ngram"]),
+    for kw in (dict(draft_levels=["mxfp4", "mxfp4", "mxfp4", "ngram"]), dict(draft=None, draft_levels=["ngram"]),
                dict(draft="ngram", draft_file="x.safetensors"), dict(backend="torch", draft_levels=["ngram"])):
         with pytest.raises(ValueError):
             qspec.load("/nonexistent/model", **kw)
@@ -258,7 +308,8 @@ def run_cli(*args):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--draft2", "mxfp3"], ["--draft2"]),
+    (["--draft2", "mxfp3"], ["unknown draft level"]),
+    (["--draft2", "/nonexistent/helper"], ["/nonexistent"]),
     (["--draft3", "mxfp4"], ["--draft3 needs --draft2"]),
     (["--draft2-max", "4"], ["--draft2-max needs --draft2"]),
     (["--draft2", "mxfp4", "--draft2-max", "40"], ["--draft2-max"]),
