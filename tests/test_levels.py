@@ -94,7 +94,7 @@ def test_mx_chains_are_lossless(chain_engine):
     """MXFP6-E2M3 <- MXFP4 and MXFP6-E2M3 <- MXFP4 <- n-gram, fixed and automatic lengths."""
     prompts = dev_prompts()
     settings = [(2, [4, 3]), (3, [6, 3, 8]), (3, None)]
-    check_chain_lossless(chain_engine, prompts[:1] + prompts[-1:], 32, settings, ISA_LEVELS[-1])
+    check_chain_lossless(chain_engine, prompts[-1:], 32, settings, ISA_LEVELS[-1])
     for isa in ISA_LEVELS[:-1]:  # lower levels (the scalar one is slow): one short case each
         check_chain_lossless(chain_engine, prompts[:1], 6, [(3, [3, 2, 4])], isa)
 
@@ -193,7 +193,7 @@ def test_chain_sampling_matches_target_distribution(tiny_model, draft, levels, d
     counts = np.zeros(16)
     top = len(eng.levels)
     drafted = accepted = 0
-    for s in range(2000):
+    for s in range(1500):
         r = eng.generate(prompt, max_new_tokens=5, seed=s, draft_max=draft_max, **params)
         counts[r.tokens[1]] += 1
         drafted += r.stats[f"level{top}_drafted"]
@@ -222,7 +222,7 @@ def test_helper_levels_are_lossless(default_model_dir, random_helper):
     """The default model's own MXFP4 cast as a helper (its own KV cache, catching up on what level 1
     accepted) agrees with level 1 about as often as the shared-cache MXFP4 level; a random helper
     is nearly never right, and costs nothing but speed."""
-    prompts = dev_prompts()[:1] + repetitive_prompts()[:1]
+    prompts = repetitive_prompts()[:1]
     good = qspec.load(default_model_dir, draft="mxfp6_e2m3", draft_levels=[f"{default_model_dir}:mxfp4", "ngram"])
     helper = good.levels[1]
     assert helper.backend is not good.backend and helper.backend.kv is not good.backend.kv
@@ -327,7 +327,7 @@ def test_cli_bad_chains_are_one_line(args, words):
 def test_cli_chain_generates(default_model_dir):
     import json
 
-    r = run_cli("generate", "--json", "-n", "16", "--draft", "mxfp6_e2m3", "--draft2", "mxfp4",
+    r = run_cli("generate", "--json", "-n", "8", "--draft", "mxfp6_e2m3", "--draft2", "mxfp4",
                 "--draft3", "ngram", "--draft2-max", "3", "Why is the sky blue?")
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)["stats"]
