@@ -39,7 +39,8 @@ from .speculative import CostModel, DraftParams, _accept_sampled
 
 NGRAM = "ngram"
 LEVEL_NAMES = (NGRAM,) + DRAFT_FORMATS
-MAX_LEVELS = 4  # drafting levels above the target (the native model holds the target + 3 MX sets)
+MAX_LEVELS = 4     # drafting levels above the target
+MAX_MX_LEVELS = 3  # of them, MX casts of the target: the native model holds the target + 3 MX sets
 LEVEL_HELP = (f"{', '.join(LEVEL_NAMES)} (ngram: top level only), or a helper model: a known name or a "
               "model directory with the target's tokenizer, :FORMAT for its MX cast")
 
@@ -122,10 +123,13 @@ def parse_chain(draft: str | None, draft_levels: Sequence[str]) -> list[str]:
 
 
 def check_formats(chain: Sequence[str]) -> None:
-    """Each MX format (and helper) at most once in a chain (a level drafting for its own copy gains nothing)."""
+    """Each MX format (and helper) at most once in a chain (a level drafting for its own copy gains
+    nothing), and at most MAX_MX_LEVELS MX casts of the target."""
     for i, name in enumerate(chain):
         if name in chain[:i]:
             raise ValueError(f"draft level {i + 1} repeats level {chain.index(name) + 1} ({name})")
+    if sum(name in DRAFT_FORMATS for name in chain) > MAX_MX_LEVELS:
+        raise ValueError(f"a draft chain holds at most {MAX_MX_LEVELS} MX casts of the target")
 
 
 @dataclass

@@ -158,7 +158,7 @@ def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, dra
         info["draft"] = "file"
     upper = [(spec, get(f"draft{i}", draft_kind(spec), spec.fmt, spec.lm_head, draft_names(cfg, spec),
                         lambda spec=spec: cast_draft_matrices(weights, spec), estimate // 2,
-                        f"qspec: casting the {spec.fmt} level-{i} draft"))
+                        f"qspec: casting the {spec.fmt} upper draft"))
              for i, spec in enumerate(upper_drafts, start=2)]
     embed = map_checkpoint_tensor(model_dir, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     info["embed"] = "mapped" if embed is not None else "copied"

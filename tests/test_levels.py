@@ -1,6 +1,5 @@
 """Multi-level drafting (qspec/levels.py): chains stay lossless, n-gram drafting, bad input."""
 
-import os
 import subprocess
 import sys
 
@@ -287,6 +286,8 @@ def test_bad_chains_fail_before_loading():
         parse_chain(None, ["mxfp4"])
     with pytest.raises(ValueError, match="repeats level 1"):
         check_formats(["mxfp4", "mxfp4"])
+    with pytest.raises(ValueError, match="at most 3 MX"):
+        check_formats(["mxfp8_e4m3", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4"])
     # the chain is checked before the model is looked for
     for kw in (dict(draft_levels=["mxfp4", "mxfp4", "mxfp4", "ngram"]), dict(draft=None, draft_levels=["ngram"]),
                dict(draft="ngram", draft_file="x.safetensors"), dict(backend="torch", draft_levels=["ngram"])):
