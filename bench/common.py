@@ -26,6 +26,10 @@ from qspec import _C
 
 HERE = Path(__file__).resolve().parent
 DEV_PROMPTS = HERE / "prompts" / "dev.jsonl"  # the dev prompt set, shipped with the benchmarks
+# prompts whose answers repeat their own text (rewrite code with a rename, summarise or extract
+# from a passage given in the prompt): where n-gram drafting pays. `--prompt-file repetition`
+REPETITION_PROMPTS = HERE / "prompts" / "repetition.jsonl"
+SHIPPED_PROMPTS = {"dev": DEV_PROMPTS, "repetition": REPETITION_PROMPTS}
 
 
 def parent_parser() -> argparse.ArgumentParser:
@@ -47,14 +51,15 @@ def model_parser(prompts: bool = True) -> argparse.ArgumentParser:
                    help="model name (qspec fetch --list) or directory (default: SmolLM2-135M-Instruct)")
     if prompts:
         p.add_argument("--prompt-file", metavar="JSONL", type=_prompt_file, default=str(DEV_PROMPTS),
-                       help="JSON lines with a 'prompt' field (default: the dev set shipped in bench/prompts)")
+                       help="JSON lines with a 'prompt' field, or the name of a set shipped in bench/prompts: "
+                       "dev (the default) or repetition (answers that repeat the prompt's text)")
     return p
 
 
 def dev_prompts(path: str | None = None, n: int | None = None) -> list[str]:
     """The "prompt" field of each JSON line of `path` (default: the shipped dev set); with `n`,
     n of them spread evenly over the file, so that a subset still covers every category."""
-    p = Path(path) if path else DEV_PROMPTS
+    p = SHIPPED_PROMPTS.get(path) or Path(path) if path else DEV_PROMPTS
     try:
         lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
         prompts = [json.loads(line)["prompt"] for line in lines]

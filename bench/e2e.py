@@ -3,6 +3,12 @@
 [--drafts ...] [--ks ...]` (or `python -m bench.e2e ...` from a development install).
 A setting in --ks is K (1..32), "auto", or either with "@P" for draft_p_min = P (e.g.
 `--ks 1,auto,auto@0.8`); without "@P" the engine's default draft_p_min applies.
+An entry of --drafts is a draft chain (qspec/levels.py): level 1 (FORMAT[:LM_HEAD] or ngram), then
+"+LEVEL" per level above it, e.g. `--drafts mxfp6_e2m3:mxfp6_e2m3,mxfp6_e2m3:mxfp6_e2m3+mxfp4+ngram,ngram`;
+--ks sets level 1's K, the levels above choose theirs (auto; the sampling default when T > 0). Each
+chain's rows add per-level acceptance (level<i>_acceptance_rate) and the share of level i-1's passes
+it sat out (level<i>_skip_rate). `--prompt-file repetition` runs the prompts whose answers repeat
+their own text (where n-gram drafting pays).
 
 --model (default SmolLM2-135M; the benchmark of record is qwen2.5-coder-1.5b) over the prompt file
 (default: the dev prompts), 128 new tokens, greedy and temperature 0.7: for each prompt
@@ -27,7 +33,8 @@ import sys
 
 from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup,
                      time_interleaved)
-from .models import default_draft_name, load_engine, model_label, parse_draft, step_costs, synthetic_backend
+from .models import (default_draft_name, load_engine, model_label, parse_chain_setting, parse_draft, step_costs,
+                     synthetic_backend)
 from qspec.engine import DEFAULT_DRAFT_PARAMS
 from qspec.speculative import DraftParams
 
@@ -47,6 +54,17 @@ def _ks(s: str) -> list[tuple]:
     return out
 
 
+def _chains(s: str) -> list[str]:
+    """Comma list of draft chains, each checked as qspec.load checks it (one argparse error line)."""
+    out = s.split(",")
+    for item in out:
+        try:
+            parse_chain_setting(item)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{item!r}: {e}") from None
+    return out
+
+
 def cost_ratios(be, ks: list[int], context: int, reps: int) -> dict:
     t = step_costs(be, ks, context, reps, time_interleaved)
     base = t["target"].median
@@ -60,15 +78,16 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
     n_new = 64 if args.quick else args.max_new
     rows = []
     for dspec in args.drafts:
-        spec = parse_draft(dspec)
-        eng = load_engine(args, spec)
+        spec, levels = parse_chain_setting(dspec)
+        eng = load_engine(args, spec, levels)
         name = model_label(eng)
         fixed = sorted({k for k, _ in args.ks if k != "auto"})
         cr = cost_ratios(eng.backend, fixed, 128, 5 if args.quick else 11)
         byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
         for temp in args.temps:
-            per = {k: {"tps": [], "ratio": [], "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0}
+            per = {k: {"tps": [], "ratio": [], "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0,
+                       "levels": {i: [0, 0, 0, 0] for i in range(2, len(eng.levels) + 1)}}
                    for k in ["plain"] + args.ks}
             for i, p in enumerate(prompts):
                 kw = dict(max_new_tokens=n_new, temperature=temp, seed=i)
@@ -85,6 +104,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                     d["accepted"] += s["accepted"]
                     d["steps"] += s["steps"]
                     d["tokens"] += s["new_tokens"] - 1
+                    for i, acc in d["levels"].items():  # drafted, accepted, skipped, rounds
+                        for j, key in enumerate(("drafted", "accepted", "skipped", "rounds")):
+                            acc[j] += s[f"level{i}_{key}"]
             for key, d in per.items():
                 if key == "plain":
                     row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0}
@@ -92,7 +114,8 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                     k, pm = key
                     pm = DEFAULT_DRAFT_PARAMS.draft_p_min if pm is None else pm
                     tau = d["tokens"] / max(1, d["steps"])
-                    fixed_k = k != "auto" and pm == 0  # every step drafts K (bar the last)
+                    # every step drafts K (bar the last), by one draft whose step costs were measured
+                    fixed_k = k != "auto" and pm == 0 and len(eng.levels) == 1 and cr["c"] is not None
                     row = {"mode": "speculative", "draft": dspec, "k": k, "draft_p_min": pm,
                            "speedup": statistics.median(d["ratio"]),
                            "acceptance_rate": d["accepted"] / max(1, d["drafted"]),
@@ -100,6 +123,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                            "model_speedup": tau / (k * cr["c"] + cr[f"v{k}"]) if fixed_k else None,
                            "ceiling_speedup": tau / (k * byte_ratio + 1) if fixed_k else None,
                            "byte_ratio": byte_ratio}
+                    for i, (drafted, accepted, skipped, rounds) in d["levels"].items():
+                        row[f"level{i}_acceptance_rate"] = accepted / max(1, drafted)
+                        row[f"level{i}_skip_rate"] = skipped / max(1, rounds)
                 row.update(model=name, weights="real", temperature=temp,
                            tokens_per_s=statistics.median(d["tps"]), prompts=len(prompts), new_tokens=n_new,
                            threads=args.threads)
@@ -107,7 +133,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                 out.write(row)
                 print(fmt_table([row], ["draft", "k", "draft_p_min", "temperature", "tokens_per_s", "speedup",
                                         "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup",
-                                        "ceiling_speedup"]).splitlines()[-1],
+                                        "ceiling_speedup"]).splitlines()[-1]
+                      + "".join(f"  L{i}: acc {row[f'level{i}_acceptance_rate']:.2f} skip {row[f'level{i}_skip_rate']:.2f}"
+                                for i in range(2, len(eng.levels) + 1) if f"level{i}_skip_rate" in row),
                       flush=True)
         del eng
     return rows
@@ -116,7 +144,8 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
 def synthetic(args, ctx, out: JsonWriter) -> list[dict]:
     rows = []
     fixed = sorted({k for k, _ in args.ks if k != "auto"})
-    for dspec in args.drafts:
+    level1 = dict.fromkeys(d.split("+")[0] for d in args.drafts)  # the MX drafts at level 1, once each
+    for dspec in [d for d in level1 if d != "ngram"]:
         be = synthetic_backend("llama-3.2-1b", parse_draft(dspec), max_seq=512)
         cr = cost_ratios(be, fixed, 256, 5)
         for k in fixed:
@@ -148,8 +177,8 @@ def peak_rss(args) -> dict:
 
 def rss_probe(args) -> None:
     setup(args)
-    spec = parse_draft(args.drafts[0])
-    eng = load_engine(args, None if args.rss_probe == "plain" else spec)
+    spec, levels = parse_chain_setting(args.drafts[0])
+    eng = load_engine(args, None, ()) if args.rss_probe == "plain" else load_engine(args, spec, levels)
     eng.generate(dev_prompts(args.prompt_file)[0], max_new_tokens=64)
     # VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child reports its parent's peak
     hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
@@ -192,8 +221,9 @@ def plot(rows: list[dict], path: str, ctx: dict, model: str) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="qspec bench e2e", parents=[parent_parser(), model_parser()], description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafts", type=lambda s: s.split(","), default=None,
-                   help="comma list of FORMAT[:LM_HEAD_FORMAT] (default: the engine's default draft for the model)")
+    p.add_argument("--drafts", type=_chains, default=None,
+                   help="comma list of draft chains: FORMAT[:LM_HEAD_FORMAT] or ngram, then +LEVEL per level "
+                   "above it (e.g. mxfp6_e2m3:mxfp6_e2m3+mxfp4+ngram; default: the engine's default draft)")
     p.add_argument("--ks", type=_ks, default=None,
                    help="comma list of K, auto, K@P or auto@P (P = draft_p_min; default 1..8,auto)")
     p.add_argument("--temps", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 0.7])

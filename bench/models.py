@@ -11,10 +11,11 @@ from qspec.synthetic import synthetic_config, synthetic_weights
 
 
 
-def load_engine(args, draft: DraftSpec | None):
-    """`qspec.load` of --model with --threads; a user error (unknown name, bad folder) is one line."""
+def load_engine(args, draft: DraftSpec | str | None, levels: tuple[str, ...] = ()):
+    """`qspec.load` of --model with --threads (and draft levels above `draft`); a user error
+    (unknown name, bad folder, bad chain) is one line."""
     try:
-        return qspec.load(args.model, draft=draft, threads=args.threads)
+        return qspec.load(args.model, draft=draft, threads=args.threads, draft_levels=levels)
     except (qspec.QspecError, ValueError) as e:
         raise SystemExit(f"bench: error: {e}") from None
 
@@ -41,6 +42,18 @@ def parse_draft(s: str) -> DraftSpec:
     """'mxfp4' or 'mxfp4:mxfp4' (format:lm_head)."""
     fmt, _, head = s.partition(":")
     return DraftSpec(fmt, head or "bf16")
+
+
+def parse_chain_setting(s: str) -> tuple[DraftSpec | str, tuple[str, ...]]:
+    """A draft chain: 'FORMAT[:LM_HEAD]' or 'ngram' (level 1), then '+LEVEL' per level above it
+    (an MX format or, at the top, ngram): 'mxfp6_e2m3:mxfp6_e2m3+mxfp4+ngram' -> (level 1, levels).
+    ValueError for a bad one (checked as qspec.load checks it)."""
+    from qspec.levels import NGRAM, check_formats, parse_chain
+
+    first, *levels = s.split("+")
+    draft = NGRAM if first == NGRAM else parse_draft(first)
+    check_formats(parse_chain(draft if draft == NGRAM else draft.fmt, levels))
+    return draft, tuple(levels)
 
 
 def synthetic_backend(shape: str, draft: DraftSpec | None, max_seq: int = 1024) -> NativeBackend:

@@ -3,7 +3,8 @@
 // One call runs M tokens (decode M=1, verify M=K+1, prefill M=prompt) through every layer:
 // embedding -> [RMSNorm -> QKV GEMM -> RoPE -> K/V rows into the cache -> attention -> O GEMM
 // -> RMSNorm -> gate|up GEMM -> SiLU*up -> down GEMM] x L -> RMSNorm -> LM head.
-// Two weight sets share everything but the GEMM weights: "target" (BF16) and "draft" (MX).
+// Weight sets share everything but the GEMM weights: set 0 is the "target" (BF16), sets 1..
+// kWeightSets-1 are MX drafts (level 1 and the draft levels above it, qspec/levels.py).
 // Every step works row by row in a fixed order, so each row's result is independent of M
 // (docs/architecture.md invariant 2) as long as the GEMM and attention kernels are.
 #include <pybind11/numpy.h>
@@ -59,6 +60,10 @@ void for_rows(int64_t m, F&& f) {
   });
 }
 
+// The target and up to three MX drafts (a speculation chain of at most four levels above it,
+// of which the top one may be the weightless n-gram drafter).
+constexpr int kWeightSets = 4;
+
 inline float bf16_to_f32(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;
@@ -110,8 +115,7 @@ class Model {
     if (embed.ndim() != 2 || embed.shape(0) != vocab_ || embed.shape(1) != d_)
       throw std::invalid_argument("embed must be uint16 (bf16 bits) [vocab, hidden]");
     if (int64_t(norm_.size()) != d_) throw std::invalid_argument("norm must be float32 [hidden]");
-    sets_[0].layers.resize(n_layers_);
-    sets_[1].layers.resize(n_layers_);
+    for (auto& s : sets_) s.layers.resize(n_layers_);
     attn_norm_.resize(n_layers_);
     mlp_norm_.resize(n_layers_);
     bqkv_.resize(n_layers_);
@@ -277,7 +281,9 @@ class Model {
   int64_t head_dim() const { return hd_; }
   int64_t rope_positions() const { return rope_positions_; }
   static void check_set(int set) {
-    if (set != 0 && set != 1) throw std::invalid_argument("weight set must be 0 (target) or 1 (draft)");
+    if (set < 0 || set >= kWeightSets)
+      throw std::invalid_argument("weight set must be 0 (target) or 1.." + std::to_string(kWeightSets - 1) +
+                                  " (drafts)");
   }
 
  private:
@@ -292,7 +298,7 @@ class Model {
   std::vector<float> norm_;
   int64_t d_ = 0, f_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, hd_ = 0, vocab_ = 0;
   float eps_ = 1e-5f;
-  WeightSet sets_[2];
+  WeightSet sets_[kWeightSets];
   std::vector<std::vector<float>> attn_norm_, mlp_norm_, bqkv_;
   std::vector<float> cos_, sin_;
   int64_t rope_positions_ = 0;

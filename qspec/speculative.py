@@ -1,4 +1,4 @@
-"""Self-speculative decoding: draft K tokens with the MX weights, verify them in ONE BF16 pass.
+"""Self-speculative decoding: the acceptance rules and the cost model that picks the draft length.
 
 Both passes share one KV cache (docs/architecture.md). A step, at committed length L with `tok` (the last
 emitted token, not yet in the cache):
@@ -9,18 +9,16 @@ emitted token, not yet in the cache):
   4. commit: length = L + 1 + accepted (rollback of the rest = not counting it)
 Greedy output equals plain greedy token for token because every op is batch-invariant: row j of
 the verify pass is computed bit-identically to a one-row target step at position L + j.
+The loop itself, for one draft level or a chain of them, is qspec/levels.py.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
-from .sampling import SamplingParams, argmax, sample, top1_prob, warp
+from .sampling import SamplingParams, sample, warp
 
 DRAFT_MAX_LIMIT = 32
 
@@ -62,21 +60,27 @@ class CostModel:
     tiles 16 rows cost about one. tau(K) = 1 + sum_{k<=K} prod_{j<=k} a_j; the K with the highest
     tau(K) / (K t_d + t_v(K+1)) wins. The first steps try a few K values so that t_v has points;
     after that, when the best K's neighbour K+1 was never verified, it is tried once, so the
-    curve is measured where the choice is made.
+    curve is measured where the choice is made. A skippable model (a draft level above the
+    first, or an n-gram level) also weighs K = 0, the pass of the level below alone: 1 / t_v(1).
     """
 
     DECAY = 0.97  # ~30-step memory: acceptance drifts with the text being written
     PRIOR = 2.0   # trials' worth of weight each a_j takes from the position before it
+    PROBE_EVERY = 8  # a skipping level drafts again after this many skipped steps, to keep a_j current
 
-    def __init__(self, byte_ratio: float, k_max: int, k_min: int):
+    def __init__(self, byte_ratio: float, k_max: int, k_min: int, skippable: bool = False):
         self.k_min, self.k_max = k_min, k_max
         self.byte_ratio = byte_ratio
+        # skippable: choose() may return 0 (no drafting this step) when the pass alone, at
+        # t_v(1) per token, beats the best K; K = 0 is then explored like the others
+        self.skippable = skippable
+        self._skips = 0
         self.hits, self.trials = 7.0, 10.0  # pooled: prior a = 0.7, worth ten trials
         self.pos_hits = [0.0] * k_max      # per draft position j (index j - 1)
         self.pos_trials = [0.0] * k_max
         self.t_draft: float | None = None
         self.t_verify: dict[int, float] = {}  # rows M -> seconds (EMA)
-        self._explore = [k for k in (1, 2, 4, 3) if k_min <= k <= k_max] or [k_min]
+        self._explore = ([k for k in (1, 2, 4, 3) if k_min <= k <= k_max] or [k_min]) + ([0] if skippable else [])
 
     @staticmethod
     def _ema(old: float | None, new: float, w: float = 0.25) -> float:
@@ -129,97 +133,43 @@ class CostModel:
                 rate = tau / (k * t_d + self.verify_seconds(k + 1))
                 if rate > best:
                     best_k, best = k, rate
+        if self.skippable and best * self.verify_seconds(1) < 1.0 and self._skips < self.PROBE_EVERY:
+            self._skips += 1
+            return 0
+        self._skips = 0
         if best_k < self.k_max and best_k + 2 not in self.t_verify:
             return best_k + 1  # the curve just past the choice was never measured: measure it
         return best_k
 
 
-def _accept_sampled(drafts: list[int], qs: list[np.ndarray], p_rows: np.ndarray,
-                    params: SamplingParams, gen: np.random.Generator) -> tuple[int, int]:
+def _accept_sampled(drafts: list[int], qs: list[np.ndarray | None], p_rows: np.ndarray,
+                    params: SamplingParams, gen: np.random.Generator,
+                    warped: list | None = None) -> tuple[int, int]:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): returns (accepted, next).
 
     Draft token x ~ q is kept with probability min(1, p(x)/q(x)); at the first rejection the
     replacement is drawn from normalize(max(0, p - q)); after K acceptances the bonus token is
     drawn from p of the last row. The emitted tokens are then distributed exactly as p.
+    A q of None is a deterministic proposal (q = one-hot at x, e.g. an n-gram's): x is kept with
+    probability p(x), and the replacement is drawn from p without x.
+    `warped`, when given, receives p of each row used (accepted + 1 rows): the distributions of
+    the emitted tokens, which a level that drafts for another passes down as its q.
     """
     for j, (x, q) in enumerate(zip(drafts, qs)):
         p = warp(p_rows[j], params)
+        if warped is not None:
+            warped.append(p)
         u = gen.random()
-        if u * float(q[x]) < float(p[x]):  # u < p/q without dividing by a zero q
+        if u * (1.0 if q is None else float(q[x])) < float(p[x]):  # u < p/q without dividing by a zero q
             continue
-        residual = np.maximum(p - q, 0.0)
+        if q is None:
+            residual = p.copy()
+            residual[x] = 0.0
+        else:
+            residual = np.maximum(p - q, 0.0)
         total = float(residual.sum())
         return j, sample(residual / total if total > 0 else p, gen)
-    return len(drafts), sample(warp(p_rows[len(drafts)], params), gen)
-
-
-def speculative_tokens(backend, first_logits: np.ndarray, max_new: int, params: SamplingParams,
-                       dp: DraftParams, eos_ids: set[int], cost: CostModel | None,
-                       stats: dict[str, float]) -> Iterator[int]:
-    """Yields new tokens after a target prefill whose last-row logits are `first_logits`.
-    `cost` (draft_max="auto") picks K each step and learns from it; None drafts dp.k_cap."""
-    kv = backend.kv
-    gen = None if params.greedy else params.generator()
-    drafted = accepted = steps = 0
-    draft_s = verify_s = 0.0
-    n, t_start = 0, time.perf_counter()
-    try:
-        tok = argmax(first_logits) if gen is None else sample(warp(first_logits, params), gen)
-        n = 1
-        yield tok
-        while tok not in eos_ids and n < max_new:
-            base = kv.length  # position of `tok`
-            k = cost.choose() if cost else dp.k_cap
-            k = min(k, max_new - n - 1)  # never draft past what may still be emitted
-            # 1. draft
-            t0 = time.perf_counter()
-            drafts: list[int] = []
-            qs: list[np.ndarray] = []
-            prev = tok
-            for j in range(k):
-                lg = backend.forward([prev], base + j, draft=True)[-1]
-                if gen is None:
-                    d = argmax(lg)
-                    conf = top1_prob(lg, d) if dp.draft_p_min > 0 else 1.0
-                else:
-                    q = warp(lg, params)
-                    d = sample(q, gen)
-                    qs.append(q)
-                    conf = float(q.max())
-                drafts.append(d)
-                prev = d
-                if conf < dp.draft_p_min and j + 1 >= dp.draft_min:
-                    break
-            t1 = time.perf_counter()
-            # 2. verify [tok, d1..dK] in one target pass (overwrites the provisional K/V rows)
-            rows = backend.forward([tok] + drafts, base, all_logits=True)
-            t2 = time.perf_counter()
-            # 3. accept
-            if gen is None:
-                target = argmax(rows)
-                a = next((j for j, d in enumerate(drafts) if d != target[j]), len(drafts))
-                nxt = target[a]
-            else:
-                a, nxt = _accept_sampled(drafts, qs, rows, params, gen)
-            # 4. commit tok + accepted drafts; the rest of the rows are simply not counted
-            kv.length = base + 1 + a
-            steps += 1
-            drafted += len(drafts)
-            accepted += a
-            draft_s += t1 - t0
-            verify_s += t2 - t1
-            if cost:
-                cost.observe(len(drafts), a, t1 - t0, t2 - t1)
-            for t in drafts[:a] + [nxt]:
-                tok = t
-                n += 1
-                yield t
-                if t in eos_ids or n == max_new:
-                    break
-    finally:  # also when the caller closes the generator early: stats of what was emitted
-        decode_s = time.perf_counter() - t_start
-        stats.update(new_tokens=n, decode_s=decode_s, tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
-                     drafted=drafted, accepted=accepted,
-                     acceptance_rate=accepted / drafted if drafted else 0.0,
-                     tokens_per_step=(n - 1) / steps if steps else 0.0, draft_s=draft_s, verify_s=verify_s,
-                     steps=steps)
+    p = warp(p_rows[len(drafts)], params)
+    if warped is not None:
+        warped.append(p)
+    return len(drafts), sample(p, gen)

@@ -63,6 +63,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones included) and its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -40,7 +40,7 @@ sys.exit(pytest.main(sys.argv[1:]))
 FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py",
         "test_speculative.py::test_greedy_lossless_subset[mxfp4]"]  # the default draft on real model sizes
 FULL = ["test_gemm.py", "test_attention.py", "test_native_model.py", "test_speculative.py",
-        "test_reference_hf.py", "test_membw.py"]
+        "test_reference_hf.py", "test_membw.py", "test_levels.py::test_mx_chains_are_lossless"]
 
 
 def _build() -> Path:
@@ -80,5 +80,5 @@ def test_emulated_isa_levels(tmp_path):
 
 @pytest.mark.slow
 def test_emulated_isa_levels_full(tmp_path):
-    """Every draft format's losslessness subset and the transformers comparison, emulated."""
+    """Every draft format's losslessness subset, a draft chain's, and the transformers comparison, emulated."""
     _run_emulated(tmp_path, FULL)

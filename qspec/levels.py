@@ -1,0 +1,259 @@
+"""Multi-level drafting: a chain of drafters above the target, each drafting for the one below.
+
+Level 0 is the BF16 target; level i >= 1 drafts for level i-1. A level with weights (the target,
+an MX cast of the target's own weights) runs one batched pass over [last, d1..dm] to check the m
+tokens the level above it drafted (M = m + 1 rows), exactly as the target verifies level 1:
+greedy keeps the longest prefix it agrees with plus its own next token; sampling applies the
+rejection rule of `_accept_sampled`, so what a level passes down is an exact sample of its own
+distribution, together with its probability rows (the q of the level below's test). The top
+level steps one token at a time, or, for the n-gram drafter, proposes a whole continuation at
+once. Only the target's verdict is emitted, so greedy output is plain greedy output token for
+token whatever the chain (the target's pass depends only on the committed rows and its own
+tokens); the intermediate levels' choices change acceptance, never the output.
+
+Every MX level shares the target's KV cache (docs/architecture.md): a level's pass at position
+p writes provisional rows from p on, the level below overwrites them with its own when it checks
+those tokens, and the target's verify finally writes its own rows over everything it commits.
+A helper model (another model with the same vocabulary, qspec/helper.py) keeps a cache of its
+own and catches up on the tokens below it before each pass.
+
+Each level's draft length comes from its own CostModel (its "draft step" is the time the level
+takes per token it proposes, its "verify" the pass of the level below), or is fixed. A level
+above the first, and an n-gram level anywhere, may propose nothing in a round: when the cost
+model finds that drafting costs more than it saves, or when no n-gram matches; the level below
+then takes a single step of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .draft import DRAFT_FORMATS
+from .sampling import SamplingParams, argmax, sample, top1_prob, warp
+from .speculative import CostModel, DraftParams, _accept_sampled
+
+NGRAM = "ngram"
+LEVEL_NAMES = (NGRAM,) + DRAFT_FORMATS
+MAX_LEVELS = 4     # drafting levels above the target
+MAX_MX_LEVELS = 3  # of them, MX casts of the target: the native model holds the target + 3 MX sets
+LEVEL_HELP = (f"{', '.join(LEVEL_NAMES)} (ngram: top level only), or a helper model: a known name or a "
+              "model directory with the target's tokenizer, :FORMAT for its MX cast")
+
+
+class MXLevel:
+    """A weight set of the backend over the target's KV cache: 0 = the target, i = MX draft set i."""
+
+    def __init__(self, backend, weight_set: int, name: str):
+        self.backend, self.weight_set, self.name = backend, weight_set, name
+        self.bytes = backend.set_bytes[weight_set] if hasattr(backend, "set_bytes") else backend.target_bytes
+
+    def score(self, tokens: Sequence[int], pos: int, context: Sequence[int] = ()) -> np.ndarray:
+        """Logits of every row of `tokens` run at positions pos.. (writing their K/V rows); the
+        rows before pos are the shared cache's (`context`, the tokens they hold, is not needed)."""
+        if self.weight_set == 0:  # the Backend protocol: a target-only backend has no `draft`
+            return self.backend.forward(tokens, pos, all_logits=True)
+        return self.backend.forward(tokens, pos, all_logits=True, draft=self.weight_set)
+
+
+class NgramLevel:
+    """Prompt lookup: proposes the tokens that followed the most recent earlier occurrence of the
+    last n tokens of the context (prompt + text so far), n from n_max down to n_min; nothing when
+    no n-gram recurs. No weights, no cache; a deterministic proposal (q = one-hot)."""
+
+    name = NGRAM
+    bytes = 0
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {n_min}..{n_max}")
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        ctx = np.asarray(context, dtype=np.int64)
+        size = len(ctx)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            # starts s < size - n: the n-gram at s is earlier than the context's own last n tokens
+            hits = np.ones(size - n, dtype=bool)
+            for t in range(n):
+                hits &= ctx[t:t + size - n] == ctx[size - n + t]
+            found = np.flatnonzero(hits)
+            if found.size:
+                s = int(found[-1]) + n
+                return ctx[s:s + k].tolist()
+        return []
+
+
+def is_helper(name: str) -> bool:
+    """A level name that is not an MX format or ngram names a helper model: a known model name or
+    a model directory, optionally ":FORMAT" for its MX cast (qspec/helper.py)."""
+    return name not in LEVEL_NAMES
+
+
+def parse_chain(draft: str | None, draft_levels: Sequence[str]) -> list[str]:
+    """The level names of a chain (level 1 = `draft`, then `draft_levels`), checked before anything
+    is loaded: ValueError for an unknown name, a chain that is too long, n-gram below another level,
+    or levels above no draft. `draft` may still be "auto" (resolved once the model's size is known)."""
+    from .fetch import MODELS
+    from .helper import split_helper
+
+    if isinstance(draft_levels, str):
+        draft_levels = [draft_levels]
+    names = list(draft_levels)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"unknown draft level {name!r}")
+        model = split_helper(name)[0]
+        if is_helper(name) and model.lower() not in MODELS and not any(c in model for c in "/\\.~") \
+                and not Path(model).exists():
+            raise ValueError(f"unknown draft level {name!r} (choose from {', '.join(LEVEL_NAMES)}, or a helper "
+                             "model: a known model name or a model directory, optionally :FORMAT)")
+    if names and draft is None:
+        raise ValueError("draft levels need a draft at level 1 (draft is none)")
+    chain = ([draft] if draft is not None else []) + names
+    if len(chain) > MAX_LEVELS:
+        raise ValueError(f"a draft chain has at most {MAX_LEVELS} levels, got {len(chain)}")
+    if NGRAM in chain[:-1]:
+        raise ValueError("ngram can only be the top draft level (it has no weights to check drafts with)")
+    return chain
+
+
+def check_formats(chain: Sequence[str]) -> None:
+    """Each MX format (and helper) at most once in a chain (a level drafting for its own copy gains
+    nothing), and at most MAX_MX_LEVELS MX casts of the target."""
+    for i, name in enumerate(chain):
+        if name in chain[:i]:
+            raise ValueError(f"draft level {i + 1} repeats level {chain.index(name) + 1} ({name})")
+    if sum(name in DRAFT_FORMATS for name in chain) > MAX_MX_LEVELS:
+        raise ValueError(f"a draft chain holds at most {MAX_MX_LEVELS} MX casts of the target")
+
+
+@dataclass
+class LevelStats:
+    drafted: int = 0      # tokens this level proposed to the level below
+    accepted: int = 0     # of them, kept by the level below
+    draft_s: float = 0.0  # time producing them (the levels above included)
+    verify_s: float = 0.0  # time of the level below's passes over them
+    rounds: int = 0       # passes of the level below that had room for drafts of this level
+    skipped: int = 0      # of them, those in which this level proposed nothing
+
+
+class Chain:
+    """One generation's decoding over a chain: `levels[0]` the target (MXLevel of set 0), then the
+    drafting levels; `ks[i]` level i's fixed draft length or None with `costs[i]` (i >= 1)."""
+
+    def __init__(self, levels: list, ks: list[int | None], costs: list[CostModel | None],
+                 params: SamplingParams, dp: DraftParams):
+        self.levels, self.ks, self.costs, self.params, self.dp = levels, ks, costs, params, dp
+        self.gen = None if params.greedy else params.generator()
+        self.stats = [LevelStats() for _ in levels]
+
+    def _k(self, i: int, room: int) -> int:
+        if room <= 0:
+            return 0
+        cost = self.costs[i]
+        return min(cost.choose() if cost is not None else self.ks[i], room)
+
+    def _pick(self, logits: np.ndarray) -> tuple[int, np.ndarray | None, float]:
+        """A token of one row of logits, its probability row (sampling), and its probability."""
+        if self.gen is None:
+            tok = argmax(logits)
+            return tok, None, top1_prob(logits, tok) if self.dp.draft_p_min > 0 else 1.0
+        q = warp(logits, self.params)
+        return sample(q, self.gen), q, float(q.max())
+
+    def _draft(self, i: int, last: int, pos: int, want: int, context: list[int]) -> tuple[list[int], list]:
+        """Up to `want` tokens of level i after `last` (at position `pos`, not in the cache yet;
+        `context` ends with it), and level i's probability rows for them (sampling; None = a
+        deterministic proposal)."""
+        level = self.levels[i]
+        if isinstance(level, NgramLevel):
+            toks = level.propose(context, want)
+            return toks, [None] * len(toks)
+        out: list[int] = []
+        rows: list = []
+        top = i == len(self.levels) - 1
+        while len(out) < want:
+            if top:  # one token at a time; draft_p_min may stop early
+                tok, q, conf = self._pick(level.score([last], pos, context + out)[-1])
+                new, new_rows = [tok], [q]
+            else:
+                new, new_rows = self._round(i, last, pos, want - len(out) - 1, context + out)
+            out += new
+            rows += new_rows
+            pos += len(new)
+            last = new[-1]
+            if top and conf < self.dp.draft_p_min and len(out) >= self.dp.draft_min:
+                break
+        return out, rows
+
+    def _round(self, i: int, last: int, pos: int, room: int, context: list[int]) -> tuple[list[int], list]:
+        """One pass of level i over [last] + at most `room` tokens drafted by level i+1: the tokens
+        it keeps and its own next one, with level i's probability rows for them (sampling)."""
+        up = i + 1
+        k = self._k(up, room)
+        t0 = time.perf_counter()
+        drafts, qs = self._draft(up, last, pos, k, context) if k else ([], [])
+        t1 = time.perf_counter()
+        rows = self.levels[i].score([last] + drafts, pos, context)
+        t2 = time.perf_counter()
+        if self.gen is None:
+            best = argmax(rows)
+            a = next((j for j, d in enumerate(drafts) if d != best[j]), len(drafts))
+            nxt, p_rows = best[a], [None] * (a + 1)
+        else:
+            p_rows = []
+            a, nxt = _accept_sampled(drafts, qs, rows, self.params, self.gen, warped=p_rows)
+        st = self.stats[up]
+        st.drafted += len(drafts)
+        st.accepted += a
+        st.draft_s += t1 - t0
+        st.verify_s += t2 - t1
+        st.rounds += room > 0
+        st.skipped += room > 0 and not drafts
+        if self.costs[up] is not None:
+            self.costs[up].observe(len(drafts), a, t1 - t0, t2 - t1)
+        return drafts[:a] + [nxt], p_rows
+
+    def tokens(self, backend, first_logits: np.ndarray, max_new: int, eos_ids: set[int],
+               history: list[int], stats: dict[str, float]) -> Iterator[int]:
+        """Yields new tokens after a target prefill of `history` (the prompt ids; extended with
+        every emitted token) whose last-row logits are `first_logits`."""
+        kv = backend.kv
+        n, steps, t_start = 0, 0, time.perf_counter()
+        try:
+            tok = self._pick(first_logits)[0]
+            n = 1
+            history.append(tok)
+            yield tok
+            while tok not in eos_ids and n < max_new:
+                base = kv.length  # position of `tok`
+                new, _ = self._round(0, tok, base, max_new - n - 1, history)
+                kv.length = base + len(new)  # commit tok + the accepted drafts; the rest are not counted
+                steps += 1
+                for t in new:
+                    tok = t
+                    n += 1
+                    history.append(t)
+                    yield t
+                    if t in eos_ids or n == max_new:
+                        break
+        finally:  # also when the caller closes the generator early: stats of what was emitted
+            self._report(n, steps, time.perf_counter() - t_start, stats)
+
+    def _report(self, n: int, steps: int, decode_s: float, stats: dict[str, float]) -> None:
+        s1 = self.stats[1]
+        stats.update(new_tokens=n, decode_s=decode_s, tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
+                     drafted=s1.drafted, accepted=s1.accepted,
+                     acceptance_rate=s1.accepted / s1.drafted if s1.drafted else 0.0,
+                     tokens_per_step=(n - 1) / steps if steps else 0.0, draft_s=s1.draft_s, verify_s=s1.verify_s,
+                     steps=steps, levels=len(self.levels) - 1)
+        for i, st in enumerate(self.stats[1:], start=1):
+            stats.update({f"level{i}_drafted": st.drafted, f"level{i}_accepted": st.accepted,
+                          f"level{i}_acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,
+                          f"level{i}_draft_s": st.draft_s, f"level{i}_verify_s": st.verify_s,
+                          f"level{i}_rounds": st.rounds, f"level{i}_skipped": st.skipped})
