@@ -12,9 +12,11 @@ import qspec
 
 LOGITS_ATOL_TORCH = 1e-4   # FP32 math, FP32 KV: the same op order as transformers (measured: 0)
 LOGITS_ATOL_NATIVE = 0.15  # FP32 math, BF16 KV cache (docs/architecture.md): K/V rounded to 8 bits (measured <= 0.10)
-# The avx512_bf16 and amx GEMM paths also round activations to BF16 (csrc/gemm.h); measured
-# <= 0.24 on the six prompts (tests/test_isa_emulation.py runs this file on those levels).
-LOGITS_ATOL_NATIVE_BF16_ACT = 0.3
+# The avx512_bf16 and amx GEMM paths also round activations to BF16 (csrc/gemm.h); measured on
+# the six prompts: <= 0.24 under ISA emulation (tests/test_isa_emulation.py runs this file on
+# those levels), <= 0.22 on AVX512-BF16 hardware and <= 0.33 on AMX hardware (Xeon, whose
+# TDPBF16PS sums a tile step's products more precisely than the SDM's sequential pseudo-code).
+LOGITS_ATOL_NATIVE_BF16_ACT = 0.4
 NEAR_TIE_TORCH = 1e-4
 N_NEW = 64
 
