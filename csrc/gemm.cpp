@@ -384,17 +384,22 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   a.y = y;
   a.ldy = ldy;
 
-  // Activations as the kernels read them: rows zero-padded to kp, or Q8, or bf16.
-  std::vector<float> xpad;
-  std::vector<int8_t> xq;
-  std::vector<float> xd;
-  std::vector<int32_t> xc;
-  std::vector<uint16_t> xbf;
+  // Activations as the kernels read them: rows zero-padded to kp, or Q8, or bf16. The buffers
+  // are per calling thread and only grow: a verify pass's bf16 rows (16 x 8960 for a down
+  // projection) are past malloc's mmap threshold, and a fresh mapping per call cost page faults.
+  thread_local std::vector<float> xpad;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd;
+  thread_local std::vector<int32_t> xc;
+  thread_local std::vector<uint16_t> xbf;
+  auto fit = [](auto& v, int64_t n) {
+    if (v.size() < size_t(n)) v.resize(size_t(n));
+  };
   const bool bf16_act = p == GemmPath::avx512_bf16 || p == GemmPath::amx;
   if (a.kind == detail::kQ4 || a.kind == detail::kQ6) {
-    xq.resize(size_t(m * a.kp));
-    xd.resize(size_t(m * a.kp / kKBlk));
-    xc.resize(xd.size());
+    fit(xq, m * a.kp);
+    fit(xd, m * a.kp / kKBlk);
+    fit(xc, m * a.kp / kKBlk);
     auto quantize = p == GemmPath::ref ? detail::quantize_q8_ref : detail::quantize_q8_avx2;
     quantize(x, m, ldx, w.k, a.kp, xq.data(), xd.data(), xc.data());
     a.xq = xq.data();
@@ -402,19 +407,27 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
     a.xc = xc.data();
   } else if (bf16_act) {
     a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
-    xbf.assign(size_t(a.mpad * a.kp), 0);
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t c = 0; c < w.k; ++c) {  // fp32 -> bf16 round to nearest even
+    fit(xbf, a.mpad * a.kp);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* src = x + i * ldx;
+      uint16_t* dst = xbf.data() + i * a.kp;
+      for (int64_t c = 0; c < w.k; ++c) {  // fp32 -> bf16 round to nearest even (branch-free: vectorized)
         uint32_t u;
-        std::memcpy(&u, x + i * ldx + c, 4);
-        if ((u & 0x7FFFFFFF) > 0x7F800000) u |= 0x00400000;  // NaN stays NaN
-        else u += 0x7FFF + ((u >> 16) & 1);
-        xbf[size_t(i * a.kp + c)] = uint16_t(u >> 16);
+        std::memcpy(&u, src + c, 4);
+        const uint32_t r = (u & 0x7FFFFFFFu) > 0x7F800000u ? u | 0x00400000u  // NaN stays NaN
+                                                           : u + 0x7FFFu + ((u >> 16) & 1u);
+        dst[c] = uint16_t(r >> 16);
       }
+      std::fill(dst + w.k, dst + a.kp, uint16_t(0));
+    }
+    std::fill(xbf.data() + m * a.kp, xbf.data() + a.mpad * a.kp, uint16_t(0));  // padding rows
     a.xbf = xbf.data();
   } else if (w.k != a.kp) {
-    xpad.assign(size_t(m * a.kp), 0.f);
-    for (int64_t i = 0; i < m; ++i) std::memcpy(&xpad[size_t(i * a.kp)], x + i * ldx, size_t(w.k) * 4);
+    fit(xpad, m * a.kp);
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(&xpad[size_t(i * a.kp)], x + i * ldx, size_t(w.k) * 4);
+      std::fill(&xpad[size_t(i * a.kp + w.k)], &xpad[size_t(i * a.kp)] + a.kp, 0.f);
+    }
     a.x = xpad.data();
     a.ldx = a.kp;
   } else {
@@ -444,12 +457,14 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
   threads = int(std::min<int64_t>(threads, nblk));
   const int64_t scratch = m * detail::kAccCols;
-  std::vector<float> acc(size_t(scratch * pool.threads()));  // a slot each: any worker may join
+  thread_local std::vector<float> acc_buf;  // a slot each: any worker may join (kernels initialise it)
+  fit(acc_buf, scratch * pool.threads());
+  float* const acc = acc_buf.data();  // the caller's buffer (a worker's thread_local would be its own)
   GemmTiming& timing = gemm_timing();
   const auto t_region = ProfClock::now();
   timing.prep_s += seconds_between(t_enter, t_region);
   if (threads == 1) {
-    kernel(a, 0, nblk, acc.data());
+    kernel(a, 0, nblk, acc);
     return;
   }
   constexpr int64_t kGroup = 4;
@@ -457,7 +472,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   std::atomic<int64_t> busy_ns{0};
   auto body = [&](int slot) {
     const auto t_work = ProfClock::now();
-    float* my_acc = acc.data() + slot * scratch;
+    float* my_acc = acc + slot * scratch;
     int64_t start = next.load(std::memory_order_relaxed);
     while (start < nblk) {
       const int64_t rem = nblk - start;
