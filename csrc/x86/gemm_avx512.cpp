@@ -8,6 +8,7 @@
 // Everything here is static / anonymous-namespace except the entry points (gemm_internal.h).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -173,8 +174,7 @@ template <int MB, int NB> struct Q4T { static void run(const GemmArgs& a, int64_
 
 // Register budget (32 zmm): MB*NB accumulators; Q8 needs 2 int vectors per (row, block).
 void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const TileFn (*table)[kNB],
-                int mbmax, int bytes_per_k16) {
-  const int nbmax = a.m == 1 ? 4 : a.m <= 4 ? 2 : 1;
+                int mbmax, int bytes_per_k16, int nbmax) {
   const int64_t bytes_per_k = int64_t(bytes_per_k16) * nbmax + 4 * a.m;
   int64_t kc = a.m <= mbmax ? a.kp : (32768 / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
@@ -191,6 +191,9 @@ void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const T
   }
 }
 
+// Row blocks per tile of the fp32-activation paths: 4 for a GEMV, 2 up to 4 rows, then 1.
+int narrow_blocks(int64_t m) { return m == 1 ? 4 : m <= 4 ? 2 : 1; }
+
 const TileTable<Bf16T>& bf16_table() { static const TileTable<Bf16T> t; return t; }
 const TileTable<DpT>& dp_table() { static const TileTable<DpT> t; return t; }
 const TileTable<Q4T>& q4_table() { static const TileTable<Q4T> t; return t; }
@@ -199,14 +202,22 @@ const TileTable<Q4T>& q4_table() { static const TileTable<Q4T> t; return t; }
 
 void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   switch (a.kind) {
-    case kBf16: run_blocks(a, nb0, nb1, acc, bf16_table().t, a.m == 1 ? 1 : 6, 32); break;
-    case kQ4: run_blocks(a, nb0, nb1, acc, q4_table().t, 4, 16); break;
+    case kBf16: run_blocks(a, nb0, nb1, acc, bf16_table().t, a.m == 1 ? 1 : 6, 32, narrow_blocks(a.m)); break;
+    case kQ4: run_blocks(a, nb0, nb1, acc, q4_table().t, 4, 16, narrow_blocks(a.m)); break;
     default: gemm_blocks_mx_avx512(a, nb0, nb1, acc); break;  // kQ6, kF16Shl, kF16Sra, kI8
   }
 }
 
+// vdpbf16ps: M > 1 in row tiles of at most 8 rows, split evenly (M = 9: 5 + 4), and as many row
+// blocks as keep ~24 accumulator chains in flight (rows x blocks; + blocks weight vectors + one
+// broadcast <= 32 zmm), so the product latency is covered and each broadcast pair of x serves
+// several weight vectors. Which tile a row lands in never changes its arithmetic (one chain per
+// output over k, spilled to acc exactly between k chunks): rows stay batch invariant.
 void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
-  run_blocks(a, nb0, nb1, acc, dp_table().t, a.m == 1 ? 1 : 6, 32);
+  if (a.m == 1) return run_blocks(a, nb0, nb1, acc, dp_table().t, 1, 32, 4);
+  const int64_t tiles = (a.m + kMB - 1) / kMB;
+  const int rows = int((a.m + tiles - 1) / tiles);
+  run_blocks(a, nb0, nb1, acc, dp_table().t, rows, 32, std::min(kNB, 24 / rows));
 }
 
 }  // namespace detail
