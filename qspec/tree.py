@@ -330,8 +330,10 @@ class TreeRunner:
             path, new = accept_greedy(t, kept, rows)
         else:
             path, new = accept_sampled(t, kept, rows, self.sp, self.gen)
-        # the accepted rows to their linear positions P, P+1, .. (the caller sets the length)
-        kv.data[:, :, P:P + len(path)] = kv.data[:, :, [P + k for k in path]]
+        # the accepted rows to their linear positions P, P+1, ..: target rows, bit-equal to a linear
+        # pass's on the native backend (recorded for prompt reuse there; torch's are not batch-invariant)
+        kp = getattr(self.backend, "kernel_path", None)
+        kv.move_rows([P + k for k in path], P, [toks[k] for k in path] if kp is not None else None, kp)
         st = self.stats
         st.steps += 1
         st.rows += len(kept)
