@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence, Union
 
@@ -226,13 +226,16 @@ class Engine:
                 ks.append(dp.k_cap if i == 1 else (DRAFT_MAX_LIMIT if k == "auto" else k))
                 costs.append(self._cost_model(i, names, ks[-1], k_min, params.greedy) if k == "auto" else None)
             run = Chain([MXLevel(self.backend, 0, "target")] + chain, ks, costs, params, dp,
-                        self._tree(tp, chain, names, params.greedy))
+                        self._tree(tp, chain, names, params.greedy, per_level[0]))
             yield from run.tokens(self.backend, first, max_new_tokens, self.eos_ids, list(ids), stats)
         else:
             yield from self._plain(first, max_new_tokens, params, stats)
 
-    def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool):
-        """(TreeParams, TreeCost or None) for Chain, or None for today's chain."""
+    def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool, k):
+        """(TreeParams, TreeCost or None) for Chain, or None for today's chain. A fixed draft_max
+        K is the tree's depth unless tree_depth is given (capped by tree_nodes - 1)."""
+        if tp.depth is None and isinstance(k, int):
+            tp = replace(tp, depth=min(k, tp.nodes - 1) if tp.nodes is not None else k)
         if tp.mode == "off":
             return None
         if not isinstance(chain[0], MXLevel) or "tree" not in inspect.signature(self.backend.forward).parameters:
@@ -240,8 +243,8 @@ class Engine:
                 raise ValueError("tree drafting needs an MX draft at level 1 on a backend with tree passes "
                                  "(tree='on')")
             return None
-        if not greedy:  # seeded sampling stays reproducible: the caps as given, no timing-based choice
-            return tp, None
+        if not greedy:  # seeded sampling stays reproducible: no timing-based choice (auto = the chain)
+            return (tp, None) if tp.mode == "on" else None
         key = ("tree", tp, names)
         if key not in self._tree_costs:
             self._tree_costs[key] = TreeCost(tp, chain_ok=True)
