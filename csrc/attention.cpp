@@ -128,7 +128,6 @@ const char* attn_path_name(AttnPath p) {
 }
 
 bool attn_supports(AttnPath p, const AttnArgs& a) {
-  if (a.tree && p != AttnPath::ref) return false;  // fast tree kernels: not yet
   switch (p) {
     case AttnPath::ref: return true;
     case AttnPath::avx2: return int(isa_selected()) >= int(Isa::avx2) && a.kv.head_dim % 8 == 0;
