@@ -245,7 +245,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         model_id = Path(a.model).name if Path(a.model).is_dir() else a.model
     serve(engine, Settings(model_id=model_id, ctx=ctx, api_key=a.api_key, max_queue=a.max_queue,
                            draft_kwargs=dict(draft_max=draft_max, draft_min=a.draft_min,
-                                             draft_p_min=a.draft_p_min)), a.host, a.port)
+                                             draft_p_min=a.draft_p_min, **tree_kwargs(a))), a.host, a.port)
     return 0
 
 
