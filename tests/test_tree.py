@@ -246,3 +246,34 @@ def test_real_model_greedy_tree_equals_plain(model):
         want = eng.generate(prompt, max_new_tokens=64, speculative=False).tokens
         for caps in (dict(tree="on", tree_width=3), dict(tree="auto")):
             assert eng.generate(prompt, max_new_tokens=64, **caps).tokens == want, (model, prompt, caps)
+
+
+def test_native_tree_sampling_matches_target_distribution(tmp_path):
+    """End to end on a tiny synthetic model (vocabulary 16, an MXFP4 draft far from it): the 2nd new
+    token's marginal equals the exact target marginal, with trees of three children per node."""
+    from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
+
+    cfg = synthetic_config("smollm2-135m", hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4,
+                           n_kv_heads=2, head_dim=16, vocab_size=16, max_seq_len=64)
+    eng = qspec.load(save_model_dir(tmp_path, cfg, synthetic_weights(cfg, seed=3, scale=3.0)),
+                     draft="mxfp4", draft_lm_head="mxfp4")
+    params = dict(temperature=1.0, top_k=10)
+    sp = SamplingParams(**params)
+    prompt = [1, 5, 7]
+    be = eng.backend
+    be.kv.reset()
+    be.kv.ensure_capacity(8)
+    p1 = warp(be.forward(prompt, 0)[-1], sp)
+    exact = np.zeros(16)
+    for t1 in range(16):
+        if p1[t1] > 0:
+            exact += p1[t1] * warp(be.forward(prompt + [t1], 0)[-1], sp)
+    counts = np.zeros(16)
+    steps = 0
+    for s in range(3000):
+        r = eng.generate(prompt, max_new_tokens=3, seed=s, tree="on", tree_width=3, tree_depth=2,
+                         tree_nodes=13, **params)
+        counts[r.tokens[1]] += 1
+        steps += r.stats["tree_steps"]
+    assert steps >= 3000
+    assert _chi2_pvalue(counts, exact) > 1e-3
