@@ -100,7 +100,8 @@ def draft_tree(score, tok: int, P: int, width: int, depth: int, max_nodes: int, 
             if gen is None:
                 e = np.exp(row - row.max())
                 probs = e / e.sum()
-                top = np.argsort(-probs, kind="stable")[:width]
+                top = np.argpartition(-probs, width - 1)[:width] if width < len(probs) else np.arange(len(probs))
+                top = top[np.argsort(-probs[top], kind="stable")]
                 picks = [(int(x), float(probs[x])) for x in top]
             else:
                 qrow = warp(row, params)
