@@ -8,7 +8,7 @@ A step at committed length P with `tok` (the last emitted token, not in the cach
      P, P+1, .. in expansion order (backend.forward(tree=(P, parents)), docs: tree-contract).
   2. rerank: all drafted nodes by path value; the best N - 1 are kept (a child never outranks its
      parent, ties go to the shallower node, so every kept node's ancestors are kept). Sampling
-     keeps whole child groups only (see accept_sampled).
+     keeps child groups by count, never by value (see select, accept_sampled).
   3. verify: one target pass over [tok, kept nodes..] at slots P.. (parents first) -> N rows.
   4. accept: greedy -> the longest path whose every token is the target's argmax at its parent,
      then the target's token after it; sampling -> accept_sampled. The path's K/V rows are
@@ -129,15 +129,17 @@ def draft_tree(score, tok: int, P: int, width: int, depth: int, max_nodes: int, 
 
 def select(t: Tree, n: int, sampled: bool) -> list[int]:
     """The kept nodes (root first, parents before children, at most n). Greedy: the best n - 1 by
-    path value (EAGLE-2's rerank). Sampling: whole child groups in drafting order (a group cut by
-    its members' values would no longer be i.i.d. draws of q, which accept_sampled needs)."""
+    path value (EAGLE-2's rerank). Sampling: child groups in drafting order, the last one cut to
+    its leading children (a group cut by its members' values would no longer be i.i.d. draws of
+    q, which accept_sampled needs; a cut by count only keeps them i.i.d.)."""
     kept, have = [0], {0}
     if sampled:
         groups: dict[int, list[int]] = {}
         for i in range(1, len(t.tokens)):
             groups.setdefault(t.parent[i], []).append(i)
         for par, g in groups.items():
-            if par in have and len(kept) + len(g) <= n:
+            if par in have:  # a leading part of a group: still i.i.d. draws (its size ignores their values)
+                g = g[:n - len(kept)]
                 kept += g
                 have.update(g)
     else:

@@ -64,7 +64,7 @@ def test_rerank_keeps_ancestors_and_prefers_value():
     assert min(t.value[i] for i in kept) >= max(t.value[i] for i in dropped)
 
 
-@pytest.mark.parametrize("width,depth,nodes", [(3, 2, 13), (2, 3, 11)])
+@pytest.mark.parametrize("width,depth,nodes", [(3, 2, 13), (2, 3, 11), (3, 2, 6)])  # 6: a group cut
 def test_tree_sampling_preserves_target_distribution(width, depth, nodes):
     """SpecInfer's rule with several i.i.d. children per node: the joint of the first two tokens
     equals the target's p(t1 | r) p(t2 | t1); the draft is far from the target."""
