@@ -232,11 +232,12 @@ class Engine:
             yield from self._plain(first, max_new_tokens, params, stats)
 
     def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool, k):
-        """(TreeParams, TreeCost or None) for Chain, or None for today's chain. A fixed draft_max
+        """(TreeParams, TreeCost or None) for Chain, or None for today's chain (also for "auto" over
+        a chain of several levels: the tree is drafted by level 1 alone). A fixed draft_max
         K is the tree's depth unless tree_depth is given (capped by tree_nodes - 1)."""
         if tp.depth is None and isinstance(k, int):
             tp = replace(tp, depth=min(k, tp.nodes - 1) if tp.nodes is not None else k)
-        if tp.mode == "off":
+        if tp.mode == "off" or tp.mode == "auto" and len(chain) > 1:  # auto: single-level chains only
             return None
         if not isinstance(chain[0], MXLevel) or "tree" not in inspect.signature(self.backend.forward).parameters:
             if tp.mode == "on":
