@@ -21,6 +21,11 @@ context: model = tau / (K c + v(K)) (docs/benchmarking.md: what the measured ste
 overhead) and ceiling = tau / (K r + 1) with r = draft bytes / target bytes (what the same
 acceptance would give if every pass ran at the memory-bandwidth floor). Synthetic-weight
 Llama-3.2-1B shapes: c and v(K) only (speed, never acceptance). Peak RSS of plain vs speculative comes from separate processes.
+The K settings run the chain (tree="off"). `--trees` adds draft trees (qspec/tree.py) from the
+level-1 draft: for each fixed K a tree of width --tree-width at the same verify rows (N = K + 1,
+depth K), and the cost model's choice (tree="auto": tree or chain, width, depth and N measured);
+their rows report tree_rows (mean verify rows), tree_path (mean accepted path) and tau_vs_chain
+(tau over the chain's tau at the same K).
 """
 
 from __future__ import annotations
@@ -86,18 +91,26 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
         byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
         for temp in args.temps:
+            settings = [(k, pm, "off") for k, pm in args.ks]
+            if args.trees:
+                settings += [(k, None, "eq") for k in fixed] + [("auto", None, "auto")]
             per = {k: {"tps": [], "ratio": [], "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0,
+                       "tree_steps": 0, "tree_rows": 0, "tree_path": 0,
                        "levels": {i: [0, 0, 0, 0] for i in range(2, len(eng.levels) + 1)}}
-                   for k in ["plain"] + args.ks}
+                   for k in ["plain"] + settings}
             for i, p in enumerate(prompts):
                 kw = dict(max_new_tokens=n_new, temperature=temp, seed=i)
                 base = eng.generate(p, speculative=False, **kw)
                 per["plain"]["tps"].append(base.stats["tokens_per_s"])
-                for k, pm in args.ks:
-                    r = eng.generate(p, draft_max=k, draft_p_min=pm, **kw)
+                for k, pm, tree in settings:
+                    tkw = (dict(tree="off") if tree == "off" else dict(tree="auto") if tree == "auto" else
+                           dict(tree="on", tree_width=args.tree_width, tree_depth=k, tree_nodes=k + 1))
+                    r = eng.generate(p, draft_max=k, draft_p_min=pm, **tkw, **kw)
                     if temp == 0 and r.tokens != base.tokens:
-                        raise SystemExit(f"LOSSLESSNESS VIOLATED: {dspec} K={k} p_min={pm} prompt {i}")
-                    s, d = r.stats, per[(k, pm)]
+                        raise SystemExit(f"LOSSLESSNESS VIOLATED: {dspec} K={k} p_min={pm} tree={tree} prompt {i}")
+                    s, d = r.stats, per[(k, pm, tree)]
+                    for key in ("tree_steps", "tree_verify_rows", "tree_accepted"):
+                        d[{"tree_verify_rows": "tree_rows", "tree_accepted": "tree_path"}.get(key, key)] += s.get(key, 0)
                     d["tps"].append(s["tokens_per_s"])
                     d["ratio"].append(s["tokens_per_s"] / base.stats["tokens_per_s"])
                     d["drafted"] += s["drafted"]
@@ -111,12 +124,18 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                 if key == "plain":
                     row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0}
                 else:
-                    k, pm = key
+                    k, pm, tree = key
                     pm = DEFAULT_DRAFT_PARAMS.draft_p_min if pm is None else pm
                     tau = d["tokens"] / max(1, d["steps"])
                     # every step drafts K (bar the last), by one draft whose step costs were measured
-                    fixed_k = k != "auto" and pm == 0 and len(eng.levels) == 1 and cr["c"] is not None
+                    fixed_k = k != "auto" and pm == 0 and len(eng.levels) == 1 and cr["c"] is not None \
+                        and tree == "off"
+                    chain = per.get((k, None, "off")) if tree == "eq" else None
                     row = {"mode": "speculative", "draft": dspec, "k": k, "draft_p_min": pm,
+                           "tree": {"off": "chain", "eq": f"w{args.tree_width} N=K+1", "auto": "auto"}[tree],
+                           "tree_rows": d["tree_rows"] / d["tree_steps"] if d["tree_steps"] else None,
+                           "tree_path": d["tree_path"] / d["tree_steps"] if d["tree_steps"] else None,
+                           "tau_vs_chain": tau * chain["steps"] / max(1, chain["tokens"]) if chain else None,
                            "speedup": statistics.median(d["ratio"]),
                            "acceptance_rate": d["accepted"] / max(1, d["drafted"]),
                            "tokens_per_step": tau, "c": cr["c"], "v": cr.get(f"v{k}"),
@@ -131,9 +150,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                            threads=args.threads)
                 rows.append(row)
                 out.write(row)
-                print(fmt_table([row], ["draft", "k", "draft_p_min", "temperature", "tokens_per_s", "speedup",
+                print(fmt_table([row], ["draft", "k", "draft_p_min", "tree", "temperature", "tokens_per_s", "speedup",
                                         "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup",
-                                        "ceiling_speedup"]).splitlines()[-1]
+                                        "ceiling_speedup", "tree_rows", "tree_path", "tau_vs_chain"]).splitlines()[-1]
                       + "".join(f"  L{i}: acc {row[f'level{i}_acceptance_rate']:.2f} skip {row[f'level{i}_skip_rate']:.2f}"
                                 for i in range(2, len(eng.levels) + 1) if f"level{i}_skip_rate" in row),
                       flush=True)
@@ -192,12 +211,13 @@ def plot(rows: list[dict], path: str, ctx: dict, model: str) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     spec = [r for r in rows if r.get("mode") == "speculative"]
-    for (draft, temp, pm) in sorted({(r["draft"], r["temperature"], r["draft_p_min"]) for r in spec}):
-        pts = [r for r in spec if (r["draft"], r["temperature"], r["draft_p_min"]) == (draft, temp, pm)
+    for (draft, temp, pm, tree) in sorted({(r["draft"], r["temperature"], r["draft_p_min"], r["tree"])
+                                           for r in spec}):
+        pts = [r for r in spec if (r["draft"], r["temperature"], r["draft_p_min"], r["tree"]) == (draft, temp, pm, tree)
                and r["k"] != "auto"]
         if not pts:
             continue
-        lab = f"{draft}, T={temp}" + (f", p_min={pm}" if pm else "")
+        lab = f"{draft}, T={temp}" + (f", p_min={pm}" if pm else "") + ("" if tree == "chain" else f", tree {tree}")
         line, = a1.plot([r["k"] for r in pts], [r["speedup"] for r in pts], "o-", label=lab)
         ceil = [r for r in pts if r.get("ceiling_speedup")]
         if ceil:
@@ -230,6 +250,10 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--no-synthetic", action="store_true")
+    p.add_argument("--trees", action="store_true",
+                   help="add draft trees: at N = K + 1 verify rows per fixed K, and the cost model's choice")
+    p.add_argument("--tree-width", type=int, default=3, choices=range(1, 9), metavar="1..8",
+                   help="width of the --trees rows at N = K + 1 (default 3)")
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.drafts is None:

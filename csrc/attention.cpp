@@ -48,13 +48,13 @@ int64_t head_dim_of(const AttnArgs& a) { return a.kv.head_dim; }
 void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   const int64_t hd = head_dim_of(a);
   const int64_t kvh = h / (a.n_heads / a.kv.kv_heads);
-  const int64_t p = a.start_pos + i;
+  const int64_t p = attn_row_pos(a, i);
   const float* q = a.q + (i * a.n_heads + h) * hd;
   float* out = a.out + (i * a.n_heads + h) * hd;
 
   float max_s = -INFINITY;
   for (int64_t j = 0; j <= p; ++j) {
-    const uint16_t* k = a.kv.k(a.layer, j) + kvh * hd;
+    const uint16_t* k = a.kv.k(a.layer, attn_key_slot(a, i, j)) + kvh * hd;
     float dot = 0.f;
     for (int64_t d = 0; d < hd; ++d) dot += q[d] * bf16_to_f32(k[d]);
     scores[j] = a.scale * dot;
@@ -67,10 +67,48 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   }
   for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
   for (int64_t j = 0; j <= p; ++j) {
-    const uint16_t* v = a.kv.v(a.layer, j) + kvh * hd;
+    const uint16_t* v = a.kv.v(a.layer, attn_key_slot(a, i, j)) + kvh * hd;
     for (int64_t d = 0; d < hd; ++d) out[d] += scores[j] * bf16_to_f32(v[d]);
   }
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
+}
+
+AttnTreePaths::AttnTreePaths(int64_t prefix, const int64_t* parents, int64_t n_parents,
+                             int64_t start_pos, int64_t m) {
+  if (prefix < 0 || prefix > start_pos)
+    throw std::invalid_argument("tree: prefix " + std::to_string(prefix) + " must be in [0, start_pos = " +
+                                std::to_string(start_pos) + "]");
+  if (n_parents != start_pos + m - prefix)
+    throw std::invalid_argument("tree: parents has " + std::to_string(n_parents) +
+                                " entries, expected start_pos + m - prefix = " +
+                                std::to_string(start_pos + m - prefix));
+  std::vector<int64_t> depth(static_cast<size_t>(n_parents));
+  for (int64_t x = 0; x < n_parents; ++x) {
+    const int64_t s = prefix + x, par = parents[x];
+    if (par == -1) {
+      depth[x] = 0;
+      continue;
+    }
+    if (par < prefix || par >= s)
+      throw std::invalid_argument("tree: parent " + std::to_string(par) + " of slot " + std::to_string(s) +
+                                  " must be -1 or a slot in [prefix = " + std::to_string(prefix) + ", " +
+                                  std::to_string(s) + ")");
+    depth[x] = depth[par - prefix] + 1;
+  }
+  off.resize(size_t(m + 1));
+  off[0] = 0;
+  for (int64_t i = 0; i < m; ++i) off[i + 1] = off[i] + depth[start_pos - prefix + i] + 1;
+  path.resize(size_t(off[m]));
+  for (int64_t i = 0; i < m; ++i) {
+    int64_t s = start_pos + i;
+    for (int64_t t = off[i + 1] - 1; t >= off[i]; --t) {  // self, then ancestors up to the root
+      path[t] = int32_t(s);
+      s = parents[s - prefix];
+    }
+  }
+  view.prefix = prefix;
+  view.off = off.data();
+  view.path = path.data();
 }
 
 float* attn_thread_scratch(int64_t n) {
@@ -110,7 +148,7 @@ namespace {
 
 void run_ref(const AttnArgs& a) {
   const int64_t units = a.m * a.n_heads;
-  const int64_t max_keys = a.start_pos + a.m;  // longest row: p = start_pos + m - 1
+  const int64_t max_keys = a.start_pos + a.m;  // longest row: p <= start_pos + m - 1 (tree too)
   const auto t_region = ProfClock::now();
   std::atomic<int64_t> busy_ns{0};
   parallel_for(units, 1, [&](int, int64_t u0, int64_t u1) {
@@ -126,13 +164,13 @@ void run_ref(const AttnArgs& a) {
                     Pool::instance().threads());
 }
 
-// Combines the segments of pair (row, head), p = start_pos + row >= kAttnSegKeys, in order:
+// Combines the segments of pair (row, head), p = attn_row_pos >= kAttnSegKeys, in order:
 //   M = max_s m_s,  w_s = exp(m_s - M),  out = (Σ_s w_s · A_s) / (Σ_s w_s · Σexp_s)
 // with every sum taken over s = 0, 1, .. in order. Depends only on the pair's own partials.
 void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, int64_t head,
                     float* w) {
   const int64_t hd = a.kv.head_dim;
-  const int64_t nseg = (a.start_pos + row + kAttnSegKeys) / kAttnSegKeys;  // ceil((p + 1) / S)
+  const int64_t nseg = (attn_row_pos(a, row) + kAttnSegKeys) / kAttnSegKeys;  // ceil((p + 1) / S)
   float big = -INFINITY;
   for (int64_t s = 0; s < nseg; ++s) {
     const float ms = part.at(a, row, head, s)[0];
@@ -167,7 +205,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   const int64_t group = a.n_heads / a.kv.kv_heads;
   const int64_t kvh = a.kv.kv_heads;
   const int64_t nt = Pool::instance().threads();
-  const int64_t n_last = a.start_pos + a.m;  // keys of the last row
+  const int64_t n_last = attn_max_keys(a, 0, a.m);  // keys of the longest row
   const int64_t max_seg = (n_last + kAttnSegKeys - 1) / kAttnSegKeys;
   int64_t chunks = 1;
   if (nt > 1 && kvh * max_seg < 2 * nt) {
@@ -182,7 +220,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   for (int64_t s = 0; s < max_seg; ++s)  // full segments first: the last ones are short
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
-      if (r0 == r1 || a.start_pos + r1 <= s * kAttnSegKeys) continue;  // no row reaches s
+      if (r0 == r1 || attn_max_keys(a, r0, r1) <= s * kAttnSegKeys) continue;  // no row reaches s
       for (int64_t h = 0; h < kvh; ++h) units.push_back({h, r0, r1, s});
     }
   AttnPartials part;
@@ -193,9 +231,19 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
     part.data = part_buf.data();
     part.max_seg = max_seg;
   }
-  // Rows whose p >= kAttnSegKeys have several segments and need merging.
-  const int64_t first_merged = kAttnSegKeys - a.start_pos > 0 ? kAttnSegKeys - a.start_pos : 0;
+  // Rows whose p >= kAttnSegKeys have several segments and need merging: linear rows from
+  // first_merged on, tree rows as listed in merged_rows.
+  int64_t first_merged = kAttnSegKeys - a.start_pos > 0 ? kAttnSegKeys - a.start_pos : 0;
+  thread_local std::vector<int64_t> merged_rows;
+  merged_rows.clear();
+  if (a.tree) {
+    for (int64_t i = 0; i < a.m; ++i)
+      if (attn_row_pos(a, i) >= kAttnSegKeys) merged_rows.push_back(i);
+    first_merged = a.m - int64_t(merged_rows.size());
+  }
   const int64_t merged = first_merged < a.m ? (a.m - first_merged) * a.n_heads : 0;
+  const int64_t* mrows = a.tree ? merged_rows.data() : nullptr;
+  auto merge_row = [&](int64_t x) { return mrows ? mrows[x / a.n_heads] : first_merged + x / a.n_heads; };
   const int64_t nu = int64_t(units.size());
   const Unit* us = units.data();
   auto run_unit = [&](int64_t w) {
@@ -205,7 +253,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
     for (int64_t w = 0; w < nu; ++w) run_unit(w);
     std::vector<float> ws(max_seg);
     for (int64_t x = 0; x < merged; ++x)
-      merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
+      merge_segments(a, part, merge_row(x), x % a.n_heads, ws.data());
     return;
   }
   // Two jobs: every unit is done before any pair is merged. Idle counts every configured
@@ -224,7 +272,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
       thread_local std::vector<float> ws;
       if (int64_t(ws.size()) < max_seg) ws.resize(max_seg);
       for (int64_t x = x0; x < x1; ++x)
-        merge_segments(a, part, first_merged + x / a.n_heads, x % a.n_heads, ws.data());
+        merge_segments(a, part, merge_row(x), x % a.n_heads, ws.data());
       busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
     });
   }
@@ -273,7 +321,8 @@ AttnArgs probe_args(int64_t head_dim) {
 }
 
 py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
-                                std::optional<float> scale, std::optional<std::string> path) {
+                                std::optional<float> scale, std::optional<std::string> path,
+                                std::optional<std::pair<int64_t, py::object>> tree) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -315,6 +364,13 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
                                 " exceed max_seq " + std::to_string(a.kv.max_seq));
   a.scale = scale ? *scale : 1.f / std::sqrt(float(a.kv.head_dim));
   if (!std::isfinite(a.scale)) throw std::invalid_argument("attention: scale must be finite");
+  std::optional<AttnTreePaths> paths;
+  if (tree) {
+    auto par = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tree->second);
+    if (!par || par.ndim() != 1) throw std::invalid_argument("attention: tree parents must be a 1-D int array");
+    paths.emplace(tree->first, par.data(), par.shape(0), start_pos, a.m);
+    a.tree = &paths->view;
+  }
   AttnPath p = path ? attn_path_from_name(*path) : attn_choose(a);
   if (!attn_supports(p, a))
     throw std::invalid_argument(std::string("attention: path '") + attn_path_name(p) +
@@ -337,9 +393,11 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
 void bind_attention(py::module_& m) {
   m.def("attention", &attention_py, py::arg("q"), py::arg("kv"), py::arg("layer"),
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
+        py::arg("tree") = py::none(),
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
-        "scale defaults to 1/sqrt(head_dim), path to attn_choose()");
+        "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
+        "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree)");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

@@ -8,6 +8,7 @@
 // whatever m is, whatever the other rows hold and whatever the thread count.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "cpu.h"
 
@@ -26,6 +27,20 @@ struct KvCacheView {
   }
 };
 
+// A draft tree over the cache (docs/architecture.md, "Tree attention"). Cache rows [0, prefix)
+// are the committed linear prefix; every later slot holds one tree node. Query row i is the node
+// at slot start_pos + i; its path (ancestor slots root first, then its own slot) is
+// path[off[i] .. off[i + 1]), its depth off[i + 1] - off[i] - 1. It sits at logical position
+// p = prefix + depth and attends logical keys 0..p: key j is cache row j for j < prefix and slot
+// path[off[i] + j - prefix] after. Every kernel treats a tree row exactly like a linear row at
+// position p whose cache rows prefix..p hold the path: same keys, same order, same 8-key blocks
+// and kAttnSegKeys segments counted from logical key 0, so the bits are identical.
+struct AttnTree {
+  int64_t prefix = 0;
+  const int64_t* off = nullptr;    // [m + 1]
+  const int32_t* path = nullptr;   // [off[m]]
+};
+
 struct AttnArgs {
   const float* q = nullptr;  // [m, n_heads, head_dim] fp32, RoPE applied
   float* out = nullptr;      // [m, n_heads, head_dim] fp32
@@ -33,6 +48,44 @@ struct AttnArgs {
   int64_t layer = 0;
   float scale = 0.f;  // usually 1/sqrt(head_dim)
   KvCacheView kv;
+  const AttnTree* tree = nullptr;  // null: linear rows (row i at position start_pos + i)
+};
+
+// Logical position of query row i (its keys are 0..attn_row_pos).
+inline int64_t attn_row_pos(const AttnArgs& a, int64_t i) {
+  return a.tree ? a.tree->prefix + (a.tree->off[i + 1] - a.tree->off[i] - 1) : a.start_pos + i;
+}
+// Keys of the longest of query rows [r0, r1): max attn_row_pos + 1.
+inline int64_t attn_max_keys(const AttnArgs& a, int64_t r0, int64_t r1) {
+  if (!a.tree) return a.start_pos + r1;
+  int64_t n = 0;
+  for (int64_t i = r0; i < r1; ++i) n = attn_row_pos(a, i) + 1 > n ? attn_row_pos(a, i) + 1 : n;
+  return n;
+}
+// Cache row holding logical key j of query row i.
+inline int64_t attn_key_slot(const AttnArgs& a, int64_t i, int64_t j) {
+  return (a.tree && j >= a.tree->prefix) ? a.tree->path[a.tree->off[i] + j - a.tree->prefix] : j;
+}
+// First logical key that is not shared by all rows of the call, rounded down to a multiple of 8
+// (an 8-key block never mixes the shared stream with per-row keys); linear: no such key.
+inline int64_t attn_shared_end(const AttnArgs& a, int64_t n_max) {
+  if (!a.tree) return n_max;
+  const int64_t e = a.tree->prefix & ~int64_t(7);
+  return e < n_max ? e : n_max;
+}
+
+// Owns the path arrays of an AttnTree built from a parent array: parents[s - prefix] is the slot
+// of slot s's parent (-1: a root) for s in [prefix, start_pos + m). Throws std::invalid_argument
+// on a malformed tree (0 <= prefix <= start_pos, parents.size() == start_pos + m - prefix,
+// -1 <= parent < own slot, parent >= prefix).
+struct AttnTreePaths {
+  AttnTree view;
+  std::vector<int64_t> off;
+  std::vector<int32_t> path;
+  AttnTreePaths(int64_t prefix, const int64_t* parents, int64_t n_parents, int64_t start_pos,
+                int64_t m);
+  AttnTreePaths(const AttnTreePaths&) = delete;
+  AttnTreePaths& operator=(const AttnTreePaths&) = delete;
 };
 
 enum class AttnPath : int { ref = 0, avx2 = 1, avx512 = 2 };
@@ -44,9 +97,9 @@ void attention(const AttnArgs& a);         // dispatches
 float* attn_thread_scratch(int64_t n);
 void attention_path(AttnPath p, const AttnArgs& a);  // throws std::invalid_argument if unsupported
 
-// Scalar reference kernel for ONE (query row i, head h): out[i, h, :] from keys 0 .. start_pos + i,
-// sequentially in a fixed order that depends only on start_pos + i. `scratch` holds at least
-// start_pos + i + 1 floats (per-thread, owned by the driver). The driver splits (row, head) pairs
+// Scalar reference kernel for ONE (query row i, head h): out[i, h, :] from logical keys
+// 0 .. p = attn_row_pos(a, i), sequentially in a fixed order that depends only on p. `scratch` holds at least
+// p + 1 floats (per-thread, owned by the driver). The driver splits (row, head) pairs
 // over the pool's threads (csrc/pool.h) for this path.
 using AttnRowHeadFn = void (*)(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scratch);

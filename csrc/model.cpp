@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -186,9 +187,11 @@ class Model {
   const Profile& profile() const { return prof_; }
   void profile_reset() { prof_ = Profile(); }
 
-  // tokens [m] at positions start_pos..; logits [m or 1, vocab].
+  // tokens [m] at positions start_pos..; logits [m or 1, vocab]. With a tree (attention.h), row r
+  // is the node at slot start_pos + r: RoPE at its logical position prefix + depth, K/V into its
+  // slot, attention over its prefix and path.
   void forward(const int32_t* tokens, int64_t m, int64_t start_pos, const KvCacheView& kv, int set,
-               bool all_logits, float* logits) {
+               bool all_logits, float* logits, const AttnTree* tree = nullptr) {
     const auto t_start = ProfClock::now();
     auto t = t_start;  // the last boundary between profile pieces
     auto lap = [&](double& piece) {
@@ -232,9 +235,10 @@ class Model {
         float* row = &qkv_[r * qkv_n];
         if (!bqkv_[l].empty())
           for (int64_t i = 0; i < qkv_n; ++i) row[i] += bqkv_[l][i];
-        const int64_t pos = start_pos + r;
-        const float* c = &cos_[pos * half];
-        const float* s = &sin_[pos * half];
+        const int64_t pos = start_pos + r;  // the row's cache slot
+        const int64_t rpos = tree ? tree->prefix + (tree->off[r + 1] - tree->off[r] - 1) : pos;
+        const float* c = &cos_[rpos * half];
+        const float* s = &sin_[rpos * half];
         rope(row, n_heads_ + n_kv_, hd_, c, s);  // q heads then k heads are contiguous
         std::memcpy(&q_[r * q_n], row, q_n * sizeof(float));
         uint16_t* kd = kv.k(l, pos);
@@ -253,6 +257,7 @@ class Model {
       a.layer = l;
       a.scale = 1.0f / std::sqrt(float(hd_));
       a.kv = kv;
+      a.tree = tree;
       lap(prof_.rowwise);
       RegionTiming& attn_idle = attn_timing();
       attn_idle = RegionTiming();
@@ -369,7 +374,7 @@ void bind_model(py::module_& m) {
           "forward",
           [](Model& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start_pos,
              py::array_t<uint16_t, py::array::c_style> kv, int set, bool all_logits,
-             py::array_t<float, py::array::c_style> out) {
+             py::array_t<float, py::array::c_style> out, std::optional<std::pair<int64_t, py::object>> tree) {
             Model::check_set(set);
             if (!self.has_set(set)) throw std::invalid_argument("weight set is not fully loaded");
             const int64_t m = tokens.size();
@@ -394,11 +399,18 @@ void bind_model(py::module_& m) {
             view.kv_heads = kv.shape(3);
             view.head_dim = kv.shape(4);
             float* o = out.mutable_data();
+            std::optional<AttnTreePaths> paths;
+            if (tree) {
+              auto par = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tree->second);
+              if (!par || par.ndim() != 1) throw std::invalid_argument("tree parents must be a 1-D int array");
+              paths.emplace(tree->first, par.data(), par.shape(0), start_pos, m);
+            }
             py::gil_scoped_release release;
-            self.forward(t, m, start_pos, view, set, all_logits, o);
+            self.forward(t, m, start_pos, view, set, all_logits, o, paths ? &paths->view : nullptr);
           },
           py::arg("tokens"), py::arg("start_pos"), py::arg("kv"), py::arg("set"), py::arg("all_logits"),
-          py::arg("out"));
+          py::arg("out"), py::arg("tree") = py::none(),
+          "tree = (prefix, parents): row r is the draft-tree node at slot start_pos + r (attention.h)");
   m.def("silu_mul", [](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
                        const std::string& path) {
     if (gate.ndim() != 1 || up.ndim() != 1 || gate.size() != up.size())

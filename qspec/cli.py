@@ -67,6 +67,14 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
+    g.add_argument("--tree", choices=("auto", "on", "off"), default=None,
+                   help="draft trees (EAGLE-2 style) from the level-1 MX draft: auto = tree or chain, whichever "
+                   "measures faster (default when greedy), on, or off = the chain (default when sampling)")
+    g.add_argument("--tree-width", "--draft-width", dest="tree_width", type=int, default=None,
+                   help="tree: nodes expanded per depth and children per node (1..8; default: chosen)")
+    g.add_argument("--tree-depth", type=int, default=None, help="tree: draft passes per step (1..32; default: chosen)")
+    g.add_argument("--tree-nodes", "--total-tokens", dest="tree_nodes", type=int, default=None,
+                   help="tree: N, the verify rows with the root (2..64, >= depth + 1; default: chosen)")
     for i in UPPER_LEVELS:
         g.add_argument(f"--draft{i}", metavar="LEVEL", default=None,
                        help=f"level {i}, drafting for level {i - 1}: {LEVEL_HELP}" if i == 2 else
@@ -87,6 +95,7 @@ def _load_engine(a: argparse.Namespace):
                 d.draft_min if a.draft_min is None else a.draft_min,
                 d.draft_p_min if a.draft_p_min is None else a.draft_p_min)
     levels, draft_max = draft_chain(a)
+    tree_kwargs(a)
     engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
                   threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels)
     return engine, draft_max
@@ -156,7 +165,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     engine, draft_max = _load_engine(a)
     kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
                   seed=a.seed, chat=a.chat, draft_max=draft_max, draft_min=a.draft_min,
-                  draft_p_min=a.draft_p_min)
+                  draft_p_min=a.draft_p_min, **tree_kwargs(a))
     if a.json:
         r = engine.generate(prompt, **kwargs)
         print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}))
@@ -168,6 +177,18 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(format_stats(stats), file=sys.stderr)
     return 0
+
+
+def tree_kwargs(a: argparse.Namespace) -> dict:
+    """The --tree flags as generate's keyword arguments; bad caps are a QspecError (one line)."""
+    from .tree import TreeParams
+
+    kw = dict(tree=a.tree, tree_width=a.tree_width, tree_depth=a.tree_depth, tree_nodes=a.tree_nodes)
+    try:
+        TreeParams(a.tree or "auto", a.tree_width, a.tree_depth, a.tree_nodes)
+    except ValueError as e:
+        raise QspecError(str(e).replace("tree_", "--tree-")) from None
+    return kw
 
 
 def draft_chain(a: argparse.Namespace) -> tuple[list[str], int | str | list | None]:
@@ -197,6 +218,9 @@ def format_stats(s: dict[str, float]) -> str:
                  f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_step']:.2f} tok/step | "
                  f"draft {1e3 * s['draft_s']:.0f} ms, verify {1e3 * s['verify_s']:.0f} ms, "
                  f"other {1e3 * max(0.0, s['decode_s'] - s['draft_s'] - s['verify_s']):.0f} ms")
+    if s.get("tree_steps"):
+        line += (f" | tree: {s['tree_steps']:.0f} steps, {s['tree_mean_rows']:.1f} verify rows, "
+                 f"path {s['tree_mean_path']:.2f}")
     for i in range(2, int(s.get("levels", 1)) + 1):
         line += (f" | level {i}: drafted {s[f'level{i}_drafted']:.0f}, accepted {s[f'level{i}_accepted']:.0f} "
                  f"({100 * s[f'level{i}_acceptance_rate']:.0f}%), skipped {s[f'level{i}_skipped']:.0f}")
@@ -221,7 +245,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         model_id = Path(a.model).name if Path(a.model).is_dir() else a.model
     serve(engine, Settings(model_id=model_id, ctx=ctx, api_key=a.api_key, max_queue=a.max_queue,
                            draft_kwargs=dict(draft_max=draft_max, draft_min=a.draft_min,
-                                             draft_p_min=a.draft_p_min)), a.host, a.port)
+                                             draft_p_min=a.draft_p_min, **tree_kwargs(a))), a.host, a.port)
     return 0
 
 

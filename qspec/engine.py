@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence, Union
 
@@ -18,6 +19,7 @@ from .loader import load_weights
 from .sampling import SamplingParams, argmax, sample, warp
 from .levels import NGRAM, Chain, MXLevel, NgramLevel, check_formats, is_helper, parse_chain
 from .speculative import DRAFT_MAX_LIMIT, CostModel, DraftParams
+from .tree import TreeCost, TreeParams
 from .tokenizer import StreamDecoder, TemplateError, Tokenizer
 
 # Chosen by measurement on the dev prompts (README, "Choosing the draft"): MXFP4 with an MXFP4 LM
@@ -73,13 +75,15 @@ class Engine:
             levels = [MXLevel(backend, 1, backend.draft.fmt)] if getattr(backend, "draft", None) else []
         self.levels = levels
         self._cost_models: dict[tuple, CostModel] = {}
+        self._tree_costs: dict[tuple, TreeCost] = {}
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                  speculative: bool = True, draft_max: int | str | Sequence | None = None,
                  draft_min: int | None = None, draft_p_min: float | None = None,
-                 levels: int | None = None) -> GenerationResult:
+                 levels: int | None = None, tree: str | None = None, tree_width: int | None = None,
+                 tree_depth: int | None = None, tree_nodes: int | None = None) -> GenerationResult:
         """Generate a continuation of `prompt`: text, token ids used as they are, or a chat as a
         list of {"role": ..., "content": ...} messages (rendered with the model's chat template).
 
@@ -95,10 +99,16 @@ class Engine:
         A prompt that starts with token ids the cache still holds from earlier calls (the same
         prompt, or a chat's earlier turns and answers) is prefilled from where they end only;
         the output is the same bit for bit (`stats["cached_prompt_tokens"]` counts them).
+        `tree`: draft trees (EAGLE-2 style, qspec/tree.py) from the MX draft at level 1: "auto"
+        (the default when greedy: tree or chain, whichever the cost model measures faster), "on",
+        or "off" (the chain; the default when sampling). `tree_width` (nodes expanded per depth and
+        children per node, 1..8), `tree_depth` (draft passes, 1..32) and `tree_nodes` (N, verify
+        rows with the root, 2..64, at least tree_depth + 1) cap the tree; unset ones are chosen.
         """
         stats: dict[str, float] = {}
         tokens = list(self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
-                                  speculative, draft_max, draft_min, draft_p_min, levels, stats=stats))
+                                  speculative, draft_max, draft_min, draft_p_min, levels, stats=stats,
+                                  tree=tree, tree_width=tree_width, tree_depth=tree_depth, tree_nodes=tree_nodes))
         text = self.tokenizer.decode(tokens)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
@@ -106,11 +116,11 @@ class Engine:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                speculative: bool = True, draft_max: int | str | Sequence | None = None,
                draft_min: int | None = None, draft_p_min: float | None = None, levels: int | None = None,
-               stats: dict[str, float] | None = None) -> Iterator[str]:
+               stats: dict[str, float] | None = None, **tree_caps) -> Iterator[str]:
         """Like `generate`, yielding text pieces as tokens are produced; fills `stats` at the end."""
         dec = StreamDecoder(self.tokenizer)
         for t in self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, speculative,
-                             draft_max, draft_min, draft_p_min, levels, stats=stats):
+                             draft_max, draft_min, draft_p_min, levels, stats=stats, **tree_caps):
             piece = dec.push(t)
             if piece:
                 yield piece
@@ -119,14 +129,17 @@ class Engine:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                speculative: bool = True, draft_max: int | str | Sequence | None = None,
                draft_min: int | None = None, draft_p_min: float | None = None, levels: int | None = None,
-               stats: dict[str, float] | None = None) -> Iterator[int]:
+               stats: dict[str, float] | None = None, tree: str | None = None, tree_width: int | None = None,
+               tree_depth: int | None = None, tree_nodes: int | None = None) -> Iterator[int]:
         """Like `generate`, yielding the new token ids as they are produced; fills `stats` at the end.
 
         Closing the generator early (a caller that stops iterating) leaves the engine ready for
         the next call: the cache's committed length is set by every prefill."""
         st = stats if stats is not None else {}
+        default = "auto" if not temperature else "off"
+        tp = TreeParams(default if tree is None else tree, tree_width, tree_depth, tree_nodes)
         return self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
-                            speculative, draft_max, draft_min, draft_p_min, levels)
+                            speculative, draft_max, draft_min, draft_p_min, levels, tp)
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """The token ids a prompt is run as (see `generate` for the three kinds of prompt)."""
@@ -173,7 +186,7 @@ class Engine:
         return [lv.name for lv in self.levels]
 
     def _tokens(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats: dict[str, float],
-                speculative, draft_max, draft_min, draft_p_min, levels) -> Iterator[int]:
+                speculative, draft_max, draft_min, draft_p_min, levels, tp: TreeParams) -> Iterator[int]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
@@ -212,10 +225,31 @@ class Engine:
                 k_min = dp.draft_min if i == 1 else 1
                 ks.append(dp.k_cap if i == 1 else (DRAFT_MAX_LIMIT if k == "auto" else k))
                 costs.append(self._cost_model(i, names, ks[-1], k_min, params.greedy) if k == "auto" else None)
-            run = Chain([MXLevel(self.backend, 0, "target")] + chain, ks, costs, params, dp)
+            run = Chain([MXLevel(self.backend, 0, "target")] + chain, ks, costs, params, dp,
+                        self._tree(tp, chain, names, params.greedy, per_level[0]))
             yield from run.tokens(self.backend, first, max_new_tokens, self.eos_ids, list(ids), stats)
         else:
             yield from self._plain(first, max_new_tokens, params, stats)
+
+    def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool, k):
+        """(TreeParams, TreeCost or None) for Chain, or None for today's chain (also for "auto" over
+        a chain of several levels: the tree is drafted by level 1 alone). A fixed draft_max
+        K is the tree's depth unless tree_depth is given (capped by tree_nodes - 1)."""
+        if tp.depth is None and isinstance(k, int):
+            tp = replace(tp, depth=min(k, tp.nodes - 1) if tp.nodes is not None else k)
+        if tp.mode == "off" or tp.mode == "auto" and len(chain) > 1:  # auto: single-level chains only
+            return None
+        if not isinstance(chain[0], MXLevel) or "tree" not in inspect.signature(self.backend.forward).parameters:
+            if tp.mode == "on":
+                raise ValueError("tree drafting needs an MX draft at level 1 on a backend with tree passes "
+                                 "(tree='on')")
+            return None
+        if not greedy:  # seeded sampling stays reproducible: no timing-based choice (auto = the chain)
+            return (tp, None) if tp.mode == "on" else None
+        key = ("tree", tp, names)
+        if key not in self._tree_costs:
+            self._tree_costs[key] = TreeCost(tp, chain_ok=True)
+        return tp, self._tree_costs[key]
 
     def _cost_model(self, level: int, chain: tuple[str, ...], k_cap: int, k_min: int, greedy: bool) -> CostModel:
         """draft_max="auto": one cost model per level and chain setting for the engine's life, so

@@ -4,6 +4,9 @@ Target and draft share it (docs/architecture.md): the committed prefix is always
 steps write provisional rows after it, verify overwrites them; rejection = moving `length` back.
 The cache also records which token ids its leading rows hold as target rows, so that a prompt
 starting with them is not prefilled again (Engine._prefill).
+Draft trees (docs/architecture.md, "Tree attention"): a tree pass writes its nodes to slots after
+the committed prefix (recorded as tokens=None: a slot is not the node's position); after
+verification move_rows copies the accepted path's rows to their linear positions.
 A numpy array: BF16 bits as uint16 for the native kernels, float32 for the torch reference.
 """
 
@@ -75,3 +78,30 @@ class KVCache:
             if start_pos:
                 return
         self.tokens.extend(int(t) for t in tokens)
+
+    def move_rows(self, src_slots, dst_start: int, tokens=None, kernel_path: str | None = None) -> None:
+        """Copies the K/V of every layer at `src_slots` (ascending, src_slots[j] >= dst_start + j)
+        to rows dst_start, dst_start + 1, .. and sets `length` = dst_start + len(src_slots): the
+        accepted path of a draft tree becomes linear, the rest of the tree is dropped.
+
+        `tokens`: the ids of the moved rows when they are target rows (a tree verify pass; their
+        bits equal a linear target pass's), recorded for prefix reuse like `writing` does, at
+        `kernel_path`; None (draft rows): the record is cut at dst_start."""
+        src = np.asarray(src_slots)
+        if src.ndim != 1 or (src.size and src.dtype.kind not in "iu"):
+            raise ValueError("move_rows: src_slots must be a 1-D sequence of ints")
+        src = src.astype(np.int64)
+        n = src.size
+        if isinstance(dst_start, bool) or not isinstance(dst_start, (int, np.integer)) or dst_start < 0:
+            raise ValueError(f"move_rows: dst_start must be an int >= 0, got {dst_start!r}")
+        dst_start = int(dst_start)
+        if dst_start + n > self.capacity or (n and src[-1] >= self.capacity):
+            raise ValueError(f"move_rows: rows beyond the cache capacity {self.capacity}")
+        if n and (np.any(np.diff(src) <= 0) or np.any(src < dst_start + np.arange(n))):
+            raise ValueError("move_rows: src_slots must be ascending with src_slots[j] >= dst_start + j")
+        if tokens is not None and len(tokens) != n:
+            raise ValueError(f"move_rows: {len(tokens)} tokens for {n} rows")
+        self.writing(dst_start, tokens, kernel_path)
+        if n and not np.array_equal(src, dst_start + np.arange(n)):
+            self.data[:, :, dst_start:dst_start + n] = self.data[:, :, src]
+        self.length = dst_start + n

@@ -52,12 +52,14 @@ class MXLevel:
         self.backend, self.weight_set, self.name = backend, weight_set, name
         self.bytes = backend.set_bytes[weight_set] if hasattr(backend, "set_bytes") else backend.target_bytes
 
-    def score(self, tokens: Sequence[int], pos: int, context: Sequence[int] = ()) -> np.ndarray:
+    def score(self, tokens: Sequence[int], pos: int, context: Sequence[int] = (), tree=None) -> np.ndarray:
         """Logits of every row of `tokens` run at positions pos.. (writing their K/V rows); the
-        rows before pos are the shared cache's (`context`, the tokens they hold, is not needed)."""
+        rows before pos are the shared cache's (`context`, the tokens they hold, is not needed).
+        `tree` = (prefix, parents): a tree pass (qspec/tree.py; the rows are tree slots)."""
+        kw = {} if tree is None else {"tree": tree}
         if self.weight_set == 0:  # the Backend protocol: a target-only backend has no `draft`
-            return self.backend.forward(tokens, pos, all_logits=True)
-        return self.backend.forward(tokens, pos, all_logits=True, draft=self.weight_set)
+            return self.backend.forward(tokens, pos, all_logits=True, **kw)
+        return self.backend.forward(tokens, pos, all_logits=True, draft=self.weight_set, **kw)
 
 
 class NgramLevel:
@@ -147,10 +149,16 @@ class Chain:
     drafting levels; `ks[i]` level i's fixed draft length or None with `costs[i]` (i >= 1)."""
 
     def __init__(self, levels: list, ks: list[int | None], costs: list[CostModel | None],
-                 params: SamplingParams, dp: DraftParams):
+                 params: SamplingParams, dp: DraftParams, tree=None):
+        """`tree`: a (TreeParams, TreeCost or None) pair: level 1 drafts trees (qspec/tree.py)."""
         self.levels, self.ks, self.costs, self.params, self.dp = levels, ks, costs, params, dp
         self.gen = None if params.greedy else params.generator()
         self.stats = [LevelStats() for _ in levels]
+        self.tree = None
+        if tree is not None:
+            from .tree import TreeRunner
+
+            self.tree = TreeRunner(levels[0].backend, levels[1], tree[0], tree[1], params, self.gen)
 
     def _k(self, i: int, room: int) -> int:
         if room <= 0:
@@ -232,7 +240,14 @@ class Chain:
             yield tok
             while tok not in eos_ids and n < max_new:
                 base = kv.length  # position of `tok`
-                new, _ = self._round(0, tok, base, max_new - n - 1, history)
+                room = max_new - n - 1
+                if self.tree is not None and room > 0:
+                    new, drafted, accepted = self.tree.step(
+                        tok, base, room, lambda: self._round(0, tok, base, room, history)[0])
+                    self.stats[1].drafted += drafted
+                    self.stats[1].accepted += accepted
+                else:
+                    new, _ = self._round(0, tok, base, room, history)
                 kv.length = base + len(new)  # commit tok + the accepted drafts; the rest are not counted
                 steps += 1
                 for t in new:
@@ -252,6 +267,8 @@ class Chain:
                      acceptance_rate=s1.accepted / s1.drafted if s1.drafted else 0.0,
                      tokens_per_step=(n - 1) / steps if steps else 0.0, draft_s=s1.draft_s, verify_s=s1.verify_s,
                      steps=steps, levels=len(self.levels) - 1)
+        if self.tree is not None:
+            self.tree.report(stats)
         for i, st in enumerate(self.stats[1:], start=1):
             stats.update({f"level{i}_drafted": st.drafted, f"level{i}_accepted": st.accepted,
                           f"level{i}_acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,

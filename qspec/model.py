@@ -46,18 +46,45 @@ class TorchModel:
             self._cos, self._sin = torch.from_numpy(cos), torch.from_numpy(sin)
         return self._cos, self._sin
 
+    @staticmethod
+    def tree_mask(start_pos: int, end: int, prefix: int, parents) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree attention (docs: tree-contract): the mask [M, end] of query slots start_pos..end-1
+        and their RoPE positions. Slot s >= prefix has parent slot parents[s - prefix] (-1: a root)
+        and sees the rows 0..prefix-1, its ancestors and itself, at position prefix + depth(s)."""
+        n = end - prefix
+        if len(parents) != n:
+            raise ValueError(f"tree parents: {len(parents)} entries for {n} slots")
+        anc = torch.zeros(n, end, dtype=torch.bool)
+        anc[:, :prefix] = True
+        depth = [0] * n
+        for j, par in enumerate(parents):
+            par = int(par)
+            if not (par == -1 or prefix <= par < prefix + j):
+                raise ValueError(f"tree parents: slot {prefix + j} has parent {par}")
+            if par >= 0:
+                anc[j] = anc[par - prefix]
+                depth[j] = depth[par - prefix] + 1
+            anc[j, prefix + j] = True
+        rows = slice(start_pos - prefix, n)
+        return anc[rows], torch.tensor(depth[rows], dtype=torch.long) + prefix
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache) -> torch.Tensor:
-        """tokens [M] at positions start_pos.. -> logits [M, V] fp32; writes K/V rows (float32 cache)."""
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, tree=None) -> torch.Tensor:
+        """tokens [M] at positions start_pos.. -> logits [M, V] fp32; writes K/V rows (float32 cache).
+        `tree` = (prefix, parents): the rows are tree slots (tree_mask), not consecutive positions."""
         cfg, f32 = self.cfg, torch.float32
         cache = torch.from_numpy(kv.data)  # shares the array: writes land in the cache
         M, H, KVH, hd = tokens.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         end = start_pos + M
-        cos_t, sin_t = self._rope(end)
-        cos, sin = cos_t[start_pos:end], sin_t[start_pos:end]
+        if tree is None:
+            # causal mask over the cache rows 0..end-1 for query rows at start_pos..end-1
+            mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [M, end]
+            pos = torch.arange(start_pos, end)
+        else:
+            mask, pos = self.tree_mask(start_pos, end, tree[0], tree[1])
+        cos_t, sin_t = self._rope(int(pos.max()) + 1)
+        cos, sin = cos_t[pos], sin_t[pos]
         h = self.w.embed[tokens].to(f32)  # [M, D]
-        # causal mask over the cache rows 0..end-1 for query rows at start_pos..end-1
-        mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [M, end]
         for i, lw in enumerate(self.w.layers):
             x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
             q = F.linear(x, lw.wq, lw.bq).view(M, H, hd)
@@ -87,9 +114,11 @@ class TorchBackend:
         self.model = TorchModel(cfg, weights)
         self.kv = KVCache(cfg, 0, dtype=np.float32)
 
-    def forward(self, tokens, start_pos: int, *, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens, start_pos: int, *, all_logits: bool = False, tree=None) -> np.ndarray:
+        """`tree` = (prefix, parents): a tree pass (TorchModel.tree_mask, docs: tree-contract)."""
         # nothing recorded for reuse: torch's GEMMs are not batch-invariant (a row computed in a
         # prefill of M rows need not match the same row computed alone), so every prompt is prefilled
         self.kv.writing(start_pos)
-        logits = self.model.forward(torch.as_tensor(list(tokens), dtype=torch.long), start_pos, self.kv)
+        logits = self.model.forward(torch.as_tensor(list(tokens), dtype=torch.long), start_pos, self.kv,
+                                    tree)
         return (logits if all_logits else logits[-1:]).numpy()

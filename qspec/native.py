@@ -23,6 +23,36 @@ from .rope import rope_tables
 TARGET, DRAFT = 0, 1
 
 
+def check_tree(tree, start_pos: int, m: int) -> np.ndarray:
+    """Validates `tree = (prefix, parents)` for a pass writing slots start_pos .. start_pos + m - 1.
+
+    prefix P: committed length, 0 <= P <= start_pos. parents: one int per slot s in
+    [P, start_pos + m), the slot of s's parent or -1 for a root, with P <= parent < s.
+    Returns parents as int64; raises ValueError naming the first problem."""
+    try:
+        prefix, parents = tree
+    except (TypeError, ValueError):
+        raise ValueError("tree must be a pair (prefix, parents)") from None
+    if isinstance(prefix, bool) or not isinstance(prefix, (int, np.integer)):
+        raise ValueError(f"tree prefix must be an int, got {type(prefix).__name__}")
+    prefix = int(prefix)
+    if not 0 <= prefix <= start_pos:
+        raise ValueError(f"tree prefix {prefix} must be in [0, start_pos={start_pos}]")
+    par = np.asarray(parents)
+    if par.ndim != 1 or (par.size and par.dtype.kind not in "iu"):
+        raise ValueError("tree parents must be a 1-D sequence of ints")
+    par = par.astype(np.int64)
+    if par.size != start_pos + m - prefix:
+        raise ValueError(f"tree parents has {par.size} entries, expected start_pos + m - prefix = "
+                         f"{start_pos + m - prefix} (one per slot {prefix}..{start_pos + m - 1})")
+    slots = np.arange(prefix, start_pos + m)
+    bad = np.flatnonzero((par != -1) & ((par < prefix) | (par >= slots)))
+    if bad.size:
+        s = int(slots[bad[0]])
+        raise ValueError(f"tree parent {int(par[bad[0]])} of slot {s} must be -1 or a slot in [{prefix}, {s})")
+    return par
+
+
 def bf16_numpy(t) -> np.ndarray:
     """Zero-copy uint16 view of a contiguous BF16 torch tensor (the one place bf16 crosses to _C)."""
     import torch
@@ -248,17 +278,24 @@ class NativeBackend:
         return _C.isa_selected()
 
     def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False,
-                draft: bool | int = False) -> np.ndarray:
-        """`draft`: the weight set to run: False/0 the target, True/1 the draft, 2.. an upper draft."""
+                draft: bool | int = False, tree: tuple[int, Sequence[int]] | None = None) -> np.ndarray:
+        """`draft`: the weight set to run: False/0 the target, True/1 the draft, 2.. an upper draft.
+
+        `tree = (prefix, parents)`: the rows are draft-tree nodes at slots start_pos.. (see
+        check_tree and docs/architecture.md, "Tree attention"); each node's row is bit-identical
+        to a one-row linear step over its path. Tree rows are not recorded for prefix reuse."""
         m = len(tokens)
+        if tree is not None:
+            tree = (tree[0], check_tree(tree, start_pos, m))
         rows = m if all_logits else 1
         if self._logits.shape[0] < rows:
             self._logits = np.empty((rows, self.cfg.vocab_size), dtype=np.float32)
         self._ensure_rope(start_pos + m)
         out = self._logits[:rows]
         # every op is batch-invariant (docs/architecture.md): a target row's bits depend only on the
-        # ids up to it, so they are recorded for reuse; draft rows are provisional MX rows
-        self.kv.writing(start_pos, None if draft else tokens, self.kernel_path)
+        # ids up to it, so they are recorded for reuse; draft rows are provisional MX rows, tree
+        # rows sit at slots, not at their positions (KVCache.move_rows records accepted ones)
+        self.kv.writing(start_pos, None if draft or tree is not None else tokens, self.kernel_path)
         self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, self.kv.data,
-                           int(draft), all_logits, out)
+                           int(draft), all_logits, out, tree)
         return out.copy()  # the buffer is reused by the next call

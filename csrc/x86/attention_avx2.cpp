@@ -23,7 +23,12 @@
 //   - register path (few pairs, e.g. decode m = 1): up to 3 heads of one row form a register
 //     tile; each K/V vector is converted in registers and used by all of them at once (no FP32
 //     block to store and reload — those stores dominate when only 3 or 4 pairs share a block).
-// A pair's last, partial key block is computed by the same function on both paths. One call
+// A pair's last, partial key block is computed by the same function on both paths.
+// Tree rows (attention.h AttnTree) take the buffer path: the keys all rows share (below the
+// prefix, rounded down to 8) are streamed as above, then each row's remaining logical keys are
+// gathered from their slots into an FP32 block of the same layout, zero-padded to 8 keys, and
+// run through dot8_buf / v_buf, continuing the same 8-key blocks, max, Σ and V chains (on zero
+// padding dot8_buf's dropped lanes differ from dot8_partial's only in lanes that are dropped). One call
 // covers one fixed key segment (attention.h: kAttnSegKeys from key 0): the passes above run
 // over the segment's keys (Σ's partial sums start at the segment start), and a pair with more
 // than one segment leaves {max, Σ, unnormalized V sums} for the driver's in-order merge. So a pair's
@@ -302,27 +307,33 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t stride = a.kv.row_elems();
   // This call's keys: segment [kbeg, kcap) up to the last row's position.
   const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
-  int64_t n_max = a.start_pos + (u1 - 1) / G + 1;
+  int64_t n_max = attn_max_keys(a, u0 / G, (u1 - 1) / G + 1);
   if (n_max > kcap) n_max = kcap;
   if (n_max <= kbeg) return;
+  // Keys [kbeg, n_sh) are streamed for all pairs; a tree row's keys [t0, n) after them (its
+  // path, plus < 8 prefix keys) are gathered per row into tbuf. Linear: n_sh = n_max.
+  const int64_t n_sh = attn_shared_end(a, n_max);
+  const int64_t t0 = n_sh > kbeg ? n_sh : kbeg;
+  const int64_t tb = n_max > t0 ? round8(n_max - t0) : 0;
   const int64_t sc_stride = round8(n_max) + 8;
-  const bool use_buf = np > kRegisterPathMaxPairs;
+  const bool use_buf = np > kRegisterPathMaxPairs || a.tree;
   int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: 16 KB FP32 / 8 KB BF16
   if (kb < 8) kb = 8;
 
   // Scratch: FP32 K/V block (buffer path) | scores | V accumulators | permuted q | running max
-  // (then 1/Σ in lane 0), per pair.
+  // (then 1/Σ in lane 0), per pair | tree tail.
   const int64_t blk = use_buf ? kb * hd : 0;
-  float* buf = scratch_floats(blk + np * sc_stride + 2 * np * hd + np * 8 + 64);
+  float* buf = scratch_floats(blk + np * sc_stride + 2 * np * hd + np * 8 + tb * hd + 64);
   float* kvbuf = buf;
   float* scores = kvbuf + blk;
   float* accs = scores + np * sc_stride;
   float* qps = accs + np * hd;
   __m256* vmax = reinterpret_cast<__m256*>(qps + np * hd);
+  float* tbuf = qps + np * hd + np * 8;
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
-  auto n_full = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };  // keys 0..p
+  auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };  // keys 0..p
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
@@ -344,10 +355,27 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       u += r;
     }
 
+  // Tree tail of pair u's row: logical keys [t0, n) into tbuf in the buffer layout, zero-padded
+  // to 8 (so dot8_buf on the zero keys of the last block gives the zero chains that
+  // dot8_partial leaves); once per row (a row's pairs are consecutive).
+  int64_t tail_row = -1;
+  auto load_tail = [&](int64_t u, int kv_index) {
+    if (row_of(u) == tail_row) return;
+    tail_row = row_of(u);
+    const int64_t n = n_of(u);
+    for (int64_t j = t0; j < n; ++j) {
+      const int64_t slot = attn_key_slot(a, tail_row, j);
+      const uint16_t* src = (kv_index ? a.kv.v(a.layer, slot) : a.kv.k(a.layer, slot)) + kvh * hd;
+      convert_block(src, stride, 1, hd, tbuf + (j - t0) * hd);
+    }
+    for (int64_t x = (n - t0) * hd; x < round8(n - t0) * hd; x += 8)
+      _mm256_store_ps(tbuf + x, _mm256_setzero_ps());
+  };
+
   // Pass 1 over K.
   const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
+  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
+    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
     if (use_buf) {
       // Full 8-key blocks only: a partial block is some pair's last and read from BF16.
       convert_block(k0 + b0 * stride, stride, (b1 - b0) & ~int64_t(7), hd, kvbuf);
@@ -380,6 +408,17 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       }
     }
   }
+  if (tb > 0)
+    for (int64_t u = 0; u < np; ++u) {
+      const int64_t n = n_of(u);
+      if (n <= t0) continue;
+      load_tail(u, 0);
+      const float* qp = qps + u * hd;
+      float* sc = scores + u * sc_stride;
+      for (int64_t j0 = t0; j0 < n; j0 += 8)
+        emit_scores(dot8_buf<HD>(qp, tbuf + (j0 - t0) * hd, hd), vscale,
+                    int(n - j0 < 8 ? n - j0 : 8), sc + j0, vmax[u]);
+    }
 
   // Pass 2: per pair, over its own keys of this segment; Σ and the max go to lanes 0 and 1 of
   // the pair's max slot.
@@ -392,22 +431,25 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   }
 
   // Pass 3 over V.
+  auto v_keys = [&](int64_t u, const float* vb, int64_t b0, int64_t e) {
+    const float* w = scores + u * sc_stride;
+    float* accp = accs + u * hd;
+    int64_t d = 0;
+    for (; d + 64 <= hd; d += 64) v_buf<8>(w, vb + d, hd, b0, e, accp + d);
+    if (d + 32 <= hd) v_buf<4>(w, vb + d, hd, b0, e, accp + d), d += 32;
+    if (d + 16 <= hd) v_buf<2>(w, vb + d, hd, b0, e, accp + d), d += 16;
+    if (d + 8 <= hd) v_buf<1>(w, vb + d, hd, b0, e, accp + d), d += 8;
+  };
   const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
+  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
+    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
     if (use_buf) {
       convert_block(v0 + b0 * stride, stride, b1 - b0, hd, kvbuf);
       for (int64_t u = 0; u < np; ++u) {
         const int64_t n = n_of(u);
         const int64_t e = b1 < n ? b1 : n;
         if (e <= b0) continue;
-        const float* w = scores + u * sc_stride;
-        float* accp = accs + u * hd;
-        int64_t d = 0;
-        for (; d + 64 <= hd; d += 64) v_buf<8>(w, kvbuf + d, hd, b0, e, accp + d);
-        if (d + 32 <= hd) v_buf<4>(w, kvbuf + d, hd, b0, e, accp + d), d += 32;
-        if (d + 16 <= hd) v_buf<2>(w, kvbuf + d, hd, b0, e, accp + d), d += 16;
-        if (d + 8 <= hd) v_buf<1>(w, kvbuf + d, hd, b0, e, accp + d), d += 8;
+        v_keys(u, kvbuf, b0, e);
       }
     } else {
       for (int t = 0; t < ntiles; ++t) {
@@ -425,6 +467,13 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       }
     }
   }
+  tail_row = -1;
+  if (tb > 0)
+    for (int64_t u = 0; u < np; ++u) {
+      if (n_of(u) <= t0) continue;
+      load_tail(u, 1);
+      v_keys(u, tbuf, t0, n_of(u));
+    }
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial. Natural order.
   for (int64_t u = 0; u < np; ++u) {

@@ -11,7 +11,10 @@
 // K and V are streamed in super-blocks (multiple of 8 keys, ~16 KB FP32) converted once (exact)
 // into an FP32 block shared by all pairs of the call; each pair uses only keys 0..p of it (a
 // partial last block computes lanes for keys it then drops; each tree lane depends on its own
-// key only). No cache row beyond the call's last row is read.
+// key only). No cache row beyond the call's last row is read. Tree rows (attention.h AttnTree):
+// the keys all rows share (below the prefix, rounded down to 8) are streamed as above, then each
+// row's remaining logical keys are gathered from their slots into an FP32 block of the same form
+// and run through the same functions, continuing the same blocks of 8, max, Σ and V chains.
 //
 // Not yet run on AVX-512 hardware: tests/test_attention.py checks it against the float64 oracle
 // and for bit-exact batch invariance under emulation (tests/test_isa_emulation.py) and wherever
@@ -193,32 +196,54 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t stride = a.kv.row_elems();
   // This call's keys: segment [kbeg, kcap) up to the last row's position.
   const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
-  int64_t n_max = a.start_pos + (u1 - 1) / G + 1;
+  int64_t n_max = attn_max_keys(a, u0 / G, (u1 - 1) / G + 1);
   if (n_max > kcap) n_max = kcap;
   if (n_max <= kbeg) return;
+  // Keys [kbeg, n_sh) are streamed once for all pairs; a tree row's keys [t0, n) after them
+  // (its path, plus < 8 prefix keys) are gathered per row into tbuf. Linear: n_sh = n_max.
+  const int64_t n_sh = attn_shared_end(a, n_max);
+  const int64_t t0 = n_sh > kbeg ? n_sh : kbeg;
+  const int64_t tb = n_max > t0 ? round8(n_max - t0) : 0;
   const int64_t sc_stride = round8(n_max) + 16;
   int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: ~16 KB of FP32
   if (kb < 8) kb = 8;
 
-  // Scratch: K/V super-block | scores per pair | V accumulators per pair | running max per pair.
-  float* buf = scratch_floats(kb * hd + np * sc_stride + np * hd + np * 8 + 64);
+  // Scratch: K/V super-block | scores per pair | V accumulators per pair | running max per pair
+  // | tree tail.
+  float* buf = scratch_floats(kb * hd + np * sc_stride + np * hd + np * 8 + tb * hd + 64);
   float* kvbuf = buf;
   float* scores = kvbuf + kb * hd;
   float* accs = scores + np * sc_stride;
   float* vmaxs = accs + np * hd;
+  float* tbuf = vmaxs + np * 8;
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
-  auto n_full = [&](int64_t u) { return a.start_pos + row_of(u) + 1; };  // keys 0..p
+  auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };  // keys 0..p
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) _mm256_storeu_ps(vmaxs + u * 8, _mm256_set1_ps(-INFINITY));
 
+  // Tree tail of pair u's row: logical keys [t0, n) into tbuf (zero-padded to 8), as the
+  // super-block would hold them; once per row (a row's pairs are consecutive).
+  int64_t tail_row = -1;
+  auto load_tail = [&](int64_t u, int kv_index) {
+    if (row_of(u) == tail_row) return;
+    tail_row = row_of(u);
+    const int64_t n = n_of(u);
+    for (int64_t j = t0; j < n; ++j) {
+      const int64_t slot = attn_key_slot(a, tail_row, j);
+      const uint16_t* src = (kv_index ? a.kv.v(a.layer, slot) : a.kv.k(a.layer, slot)) + kvh * hd;
+      convert_block(src, stride, 1, 1, hd, tbuf + (j - t0) * hd);
+    }
+    convert_block(nullptr, stride, 0, round8(n - t0) - (n - t0), hd, tbuf + (n - t0) * hd);
+  };
+
   // Pass 1: stream K once.
   const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
+  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
+    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
     convert_block(k0 + b0 * stride, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
       const int64_t n = n_of(u);
@@ -230,6 +255,16 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       _mm256_storeu_ps(vmaxs + u * 8, vmax);
     }
   }
+  if (tb > 0)
+    for (int64_t u = 0; u < np; ++u) {
+      const int64_t n = n_of(u);
+      if (n <= t0) continue;
+      load_tail(u, 0);
+      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
+      scores_block<HD>(q, tbuf, hd, t0, n, n, vscale, scores + u * sc_stride, &vmax);
+      _mm256_storeu_ps(vmaxs + u * 8, vmax);
+    }
 
   // Pass 2: per pair, over its own keys of this segment; Σ and the max go to lanes 0 and 1 of
   // the pair's max slot.
@@ -243,24 +278,34 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   // Pass 3: stream V once.
   for (int64_t x = 0; x < np * hd; x += 8) _mm256_storeu_ps(accs + x, _mm256_setzero_ps());
+  auto v_keys = [&](int64_t u, const float* vb, int64_t b0, int64_t e) {
+    const float* w = scores + u * sc_stride;
+    float* accp = accs + u * hd;
+    int64_t d = 0;
+    for (; d + 128 <= hd; d += 128) v_block<8>(w, vb + d, hd, b0, e, accp + d);
+    if (d + 64 <= hd) v_block<4>(w, vb + d, hd, b0, e, accp + d), d += 64;
+    if (d + 32 <= hd) v_block<2>(w, vb + d, hd, b0, e, accp + d), d += 32;
+    if (d + 16 <= hd) v_block<1>(w, vb + d, hd, b0, e, accp + d), d += 16;
+    if (d + 8 <= hd) v_block8(w, vb + d, hd, b0, e, accp + d);
+  };
   const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_max; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_max ? b0 + kb : n_max;
+  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
+    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
     convert_block(v0 + b0 * stride, stride, b1 - b0, b1 - b0, hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
       const int64_t n = n_of(u);
       const int64_t e = b1 < n ? b1 : n;
       if (e <= b0) continue;
-      const float* w = scores + u * sc_stride;
-      float* accp = accs + u * hd;
-      int64_t d = 0;
-      for (; d + 128 <= hd; d += 128) v_block<8>(w, kvbuf + d, hd, b0, e, accp + d);
-      if (d + 64 <= hd) v_block<4>(w, kvbuf + d, hd, b0, e, accp + d), d += 64;
-      if (d + 32 <= hd) v_block<2>(w, kvbuf + d, hd, b0, e, accp + d), d += 32;
-      if (d + 16 <= hd) v_block<1>(w, kvbuf + d, hd, b0, e, accp + d), d += 16;
-      if (d + 8 <= hd) v_block8(w, kvbuf + d, hd, b0, e, accp + d);
+      v_keys(u, kvbuf, b0, e);
     }
   }
+  tail_row = -1;
+  if (tb > 0)
+    for (int64_t u = 0; u < np; ++u) {
+      if (n_of(u) <= t0) continue;
+      load_tail(u, 1);
+      v_keys(u, tbuf, t0, n_of(u));
+    }
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).
   for (int64_t u = 0; u < np; ++u) {

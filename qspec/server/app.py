@@ -43,7 +43,7 @@ class Settings:
     max_queue: int = 16
     max_body: int = MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
-    draft_kwargs: dict = field(default_factory=dict)  # draft_max, draft_min, draft_p_min
+    draft_kwargs: dict = field(default_factory=dict)  # draft_max, draft_min, draft_p_min, tree caps
 
 
 class ApiError(Exception):

@@ -1,0 +1,358 @@
+"""Draft trees (EAGLE-2 style, Li et al. 2024): drafting, one-pass verification, acceptance, cost.
+
+A step at committed length P with `tok` (the last emitted token, not in the cache yet):
+  1. draft: the root `tok` at slot P, then depth by depth one batched draft pass over the frontier
+     (the `width` nodes of the newest depth with the highest path value = product of the draft's
+     probabilities along the path); each frontier node gets `width` children (greedy: its top
+     tokens; sampling: i.i.d. samples of its draft distribution q). Draft rows go to slots
+     P, P+1, .. in expansion order (backend.forward(tree=(P, parents)), docs: tree-contract).
+  2. rerank: all drafted nodes by path value; the best N - 1 are kept (a child never outranks its
+     parent, ties go to the shallower node, so every kept node's ancestors are kept). Sampling
+     keeps child groups by count, never by value (see select, accept_sampled).
+  3. verify: one target pass over [tok, kept nodes..] at slots P.. (parents first) -> N rows.
+  4. accept: greedy -> the longest path whose every token is the target's argmax at its parent,
+     then the target's token after it; sampling -> accept_sampled. The path's K/V rows are
+     moved to P, P+1, .. and the committed length becomes P + len(path).
+Greedy output is plain greedy output token for token: each tree row is bit-identical to the
+linear step over its path (the native tree attention's rule), so the accepted rows are the
+target's linear rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import SamplingParams, argmax, sample, warp
+from .speculative import DRAFT_MAX_LIMIT, CostModel
+
+TREE_MODES = ("auto", "on", "off")
+TREE_WIDTH_LIMIT = 8
+TREE_NODES_LIMIT = 64
+# what "on" uses for a cap left unset (greedy: the cost model still chooses below these)
+DEFAULT_WIDTH, DEFAULT_DEPTH, DEFAULT_NODES = 3, 6, 16
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    mode: str = "auto"        # auto: tree or chain, whichever measures faster; on / off: forced
+    width: int | None = None  # top nodes expanded per depth and children per node (None: default)
+    depth: int | None = None  # draft passes per step (None: default, greedy stops early by cost)
+    nodes: int | None = None  # N: verify rows, root included (EAGLE-2's total_token + 1)
+
+    def __post_init__(self) -> None:
+        if self.mode not in TREE_MODES:
+            raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {self.mode!r}")
+        for name, v, lo, hi in (("tree_width", self.width, 1, TREE_WIDTH_LIMIT),
+                                ("tree_depth", self.depth, 1, DRAFT_MAX_LIMIT),
+                                ("tree_nodes", self.nodes, 2, TREE_NODES_LIMIT)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+                raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
+        if self.nodes is not None and self.nodes < self.d + 1:
+            raise ValueError(f"tree_nodes ({self.nodes}) must be at least tree_depth + 1 ({self.d + 1}): "
+                             "N verify rows hold a path of at most N - 1 drafted tokens")
+
+    @property
+    def w(self) -> int:
+        return DEFAULT_WIDTH if self.width is None else self.width
+
+    @property
+    def d(self) -> int:
+        return (DEFAULT_DEPTH if self.nodes is None else min(DEFAULT_DEPTH, self.nodes - 1)) \
+            if self.depth is None else self.depth
+
+    @property
+    def n(self) -> int:
+        return max(DEFAULT_NODES, self.d + 1) if self.nodes is None else self.nodes
+
+
+@dataclass
+class Tree:
+    """Drafted nodes; node 0 is the root (the last emitted token)."""
+    tokens: list[int]
+    parent: list[int]                  # node index, -1 for the root
+    depth: list[int]
+    value: list[float]                 # product of draft probabilities along the path
+    q: dict[int, np.ndarray] = field(default_factory=dict)  # sampling: the draft row each node's children were drawn from
+
+    def children(self, kept: list[int]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i in kept[1:]:
+            out.setdefault(self.parent[i], []).append(i)
+        return out
+
+
+def draft_tree(score, tok: int, P: int, width: int, depth: int, max_nodes: int, gen=None,
+               params: SamplingParams | None = None, keep_going=None) -> Tree:
+    """Expand a tree of at most `depth` levels: score(tokens, start_pos, parents) runs a draft pass
+    (tree = (P, parents)) and returns its logits. `keep_going(frontier_values)` (greedy, optional)
+    may stop before `depth`. Stops early too when max_nodes - 1 are drafted."""
+    t = Tree([tok], [-1], [0], [1.0])
+    slot_parents = [-1]            # per draft slot P + j: the slot of its parent
+    slot_of = {0: P}               # node -> draft slot
+    frontier, logits = [0], score([tok], P, slot_parents)
+    for d in range(1, depth + 1):
+        new: list[int] = []
+        for f, node in enumerate(frontier):
+            row = logits[f]
+            if gen is None:
+                e = np.exp(row - row.max())
+                probs = e / e.sum()
+                top = np.argpartition(-probs, width - 1)[:width] if width < len(probs) else np.arange(len(probs))
+                top = top[np.argsort(-probs[top], kind="stable")]
+                picks = [(int(x), float(probs[x])) for x in top]
+            else:
+                qrow = warp(row, params)
+                t.q[node] = qrow
+                picks = [(x, float(qrow[x])) for x in (sample(qrow, gen) for _ in range(width))]
+            for x, pr in picks:
+                t.tokens.append(x)
+                t.parent.append(node)
+                t.depth.append(d)
+                t.value.append(t.value[node] * pr)
+                new.append(len(t.tokens) - 1)
+        if d == depth or len(t.tokens) >= max_nodes:
+            break
+        # EAGLE-2: the next frontier is the `width` newest nodes of highest path value
+        frontier = sorted(new, key=lambda i: -t.value[i])[:width]
+        if keep_going is not None and not keep_going([t.value[i] for i in frontier]):
+            break
+        start = P + len(slot_parents)
+        for j, i in enumerate(frontier):
+            slot_of[i] = start + j
+            slot_parents.append(slot_of[t.parent[i]])
+        logits = score([t.tokens[i] for i in frontier], start, slot_parents)
+    return t
+
+
+def select(t: Tree, n: int, sampled: bool) -> list[int]:
+    """The kept nodes (root first, parents before children, at most n). Greedy: the best n - 1 by
+    path value (EAGLE-2's rerank). Sampling: child groups in drafting order, the last one cut to
+    its leading children (a group cut by its members' values would no longer be i.i.d. draws of
+    q, which accept_sampled needs; a cut by count only keeps them i.i.d.)."""
+    kept, have = [0], {0}
+    if sampled:
+        groups: dict[int, list[int]] = {}
+        for i in range(1, len(t.tokens)):
+            groups.setdefault(t.parent[i], []).append(i)
+        for par, g in groups.items():
+            if par in have:  # a leading part of a group: still i.i.d. draws (its size ignores their values)
+                g = g[:n - len(kept)]
+                kept += g
+                have.update(g)
+    else:
+        for i in sorted(range(1, len(t.tokens)), key=lambda i: (-t.value[i], t.depth[i], i)):
+            if len(kept) == n:
+                break
+            if t.parent[i] in have:  # always true: a parent ranks before its children
+                kept.append(i)
+                have.add(i)
+    return sorted(kept, key=lambda i: (t.depth[i], i))
+
+
+def verify_layout(t: Tree, kept: list[int], P: int) -> tuple[list[int], list[int]]:
+    """Tokens and parent slots of the verify pass (kept[k] at slot P + k)."""
+    slot = {node: P + k for k, node in enumerate(kept)}
+    return [t.tokens[i] for i in kept], [-1] + [slot[t.parent[i]] for i in kept[1:]]
+
+
+def accept_greedy(t: Tree, kept: list[int], rows: np.ndarray) -> tuple[list[int], list[int]]:
+    """(path as indexes into kept, root first; the tokens to emit: the path's drafts + the target's next)."""
+    best = argmax(rows)
+    kids = t.children(kept)
+    index = {node: k for k, node in enumerate(kept)}
+    path = [0]
+    while True:
+        b = best[path[-1]]
+        nxt = next((index[c] for c in kids.get(kept[path[-1]], []) if t.tokens[c] == b), None)
+        if nxt is None:
+            return path, [t.tokens[kept[k]] for k in path[1:]] + [b]
+        path.append(nxt)
+
+
+def accept_sampled(t: Tree, kept: list[int], rows: np.ndarray, params: SamplingParams,
+                   gen: np.random.Generator) -> tuple[list[int], list[int]]:
+    """Multi-candidate speculative sampling: SpecInfer's multi-step speculative sampling (Miao et
+    al. 2024, "SpecInfer", Algorithm 2 / Theorem 4.2), for candidates drawn i.i.d. (with
+    replacement) from one draft distribution q. At a node with target distribution p and children
+    x_1..x_k ~ q i.i.d.: x_i is accepted with probability min(1, p(x)/q(x)); on rejection
+    p <- normalize(max(0, p - q)) and the next child is tried against that residual; when all are
+    rejected the token is drawn from the last residual. An accepted child repeats this with its
+    own children (a node without kept children: drawn from p). Each emitted token is then
+    distributed exactly as the target's p given the path. The rule needs the children to be i.i.d.
+    draws of q given the path, which is why select() never drops single children by value."""
+    kids = t.children(kept)
+    index = {node: k for k, node in enumerate(kept)}
+    path = [0]
+    while True:
+        node = kept[path[-1]]
+        p = warp(rows[path[-1]], params)
+        q = t.q.get(node)
+        nxt = None
+        for c in kids.get(node, []):
+            x = t.tokens[c]
+            if gen.random() * float(q[x]) < float(p[x]):
+                nxt = index[c]
+                break
+            r = np.maximum(p - q, 0.0)
+            s = float(r.sum())
+            if s > 0:  # s == 0 only when p == q, where x was accepted surely
+                p = r / s
+        if nxt is None:
+            return path, [t.tokens[kept[k]] for k in path[1:]] + [sample(p, gen)]
+        path.append(nxt)
+
+
+class TreeCost:
+    """Per step choices of the tree from measurements on this machine:
+    - the shape: in mode auto, "chain" (today's chain, its own CostModel) or tree widths 2..cap,
+      each an arm whose tokens per second (EMA) is measured; the best arm is used and the others
+      are re-measured now and then, so where width does not pay the chain wins;
+    - the depth (greedy): another draft pass is made while the expected extra accepted tokens
+      (calibration x sum of the frontier's path values; EAGLE-2: path value tracks acceptance)
+      are worth its measured cost c(w) at the arm's measured rate;
+    - N (greedy): the prefix of the reranked nodes maximising (1 + cal x sum of values) / (t_draft + t_v(N)),
+      with t_v the verify-cost curve of CostModel (measured per row count);
+    cal = EMA of accepted / predicted (the draft's confidence is not exactly its acceptance)."""
+
+    PROBE_EVERY = 16
+
+    def __init__(self, params: TreeParams, chain_ok: bool):
+        self.params = params
+        wmax = params.w
+        if params.mode == "on":
+            self.arms = [wmax] if params.width is not None else list(range(2, max(2, wmax) + 1)) or [wmax]
+        else:
+            self.arms = (["chain"] if chain_ok else []) + list(range(2, wmax + 1))
+        self.rate: dict = {}
+        self.tries: dict = {a: 0 for a in self.arms}
+        self.steps = 0
+        self.cal = 0.7
+        self.c: dict[int, float] = {}          # draft pass seconds per frontier width
+        self.verify = CostModel(1.0, TREE_NODES_LIMIT, 1)  # its t_v(M) curve only
+        self.verify._explore = []
+
+    def arm(self):
+        self.steps += 1
+        untried = [a for a in self.arms if self.tries[a] < 2]
+        if untried:
+            return untried[0]
+        if self.steps % self.PROBE_EVERY == 0:
+            return min(self.arms, key=lambda a: self.tries[a])
+        return max(self.arms, key=lambda a: self.rate[a])
+
+    def observe_arm(self, arm, tokens: int, seconds: float) -> None:
+        self.tries[arm] += 1
+        r = tokens / max(seconds, 1e-9)
+        self.rate[arm] = r if arm not in self.rate else 0.8 * self.rate[arm] + 0.2 * r
+
+    def keep_going(self, arm, frontier_values: list[float]) -> bool:
+        w = len(frontier_values)
+        if w not in self.c or arm not in self.rate:
+            return True
+        return self.cal * sum(frontier_values) > self.rate[arm] * self.c[w]
+
+    def observe_pass(self, w: int, seconds: float) -> None:
+        self.c[w] = seconds if w not in self.c else 0.8 * self.c[w] + 0.2 * seconds
+
+    def nodes(self, t: Tree, cap: int, draft_s: float) -> int:
+        """N for this step from the drafted values (greedy)."""
+        if not self.verify.t_verify or self.params.nodes is not None and self.params.mode == "on":
+            return cap
+        vals = sorted(t.value[1:], reverse=True)[:cap - 1]
+        best_n, best, acc = 1, -1.0, 1.0
+        for n in range(1, len(vals) + 2):
+            if n > 1:
+                acc += self.cal * vals[n - 2]
+            rate = acc / (draft_s + self.verify.verify_seconds(n))
+            if rate > best:
+                best_n, best = n, rate
+        return max(best_n, 2)
+
+    def observe_verify(self, rows: int, seconds: float, predicted: float, accepted: int) -> None:
+        self.verify.t_verify[rows] = CostModel._ema(self.verify.t_verify.get(rows), seconds)
+        if predicted > 0:
+            self.cal = min(1.0, max(0.05, 0.95 * self.cal + 0.05 * accepted / predicted))
+
+
+@dataclass
+class TreeStats:
+    steps: int = 0         # tree steps (chain steps of an auto run not counted)
+    rows: int = 0          # verify rows of them (N, root included)
+    drafted: int = 0       # tree nodes drafted (before the rerank)
+    accepted: int = 0      # accepted path length (drafted tokens kept)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+class TreeRunner:
+    """The tree steps of one generation: `level` (an MXLevel of the backend) drafts, the backend's
+    target verifies. `cost` (greedy) chooses the shape; None uses the caps as given."""
+
+    def __init__(self, backend, level, params: TreeParams, cost: TreeCost | None,
+                 sp: SamplingParams, gen: np.random.Generator | None):
+        self.backend, self.level, self.params, self.cost, self.sp, self.gen = backend, level, params, cost, sp, gen
+        self.stats = TreeStats()
+
+    def step(self, tok: int, P: int, room: int, chain_round) -> tuple[list[int], int, int]:
+        """Tokens to emit after `tok` (at slot P), with at most `room` drafted tokens among them;
+        `chain_round()` runs today's chain step instead when the cost model's arm says so.
+        Returns (tokens, drafted, accepted) of level 1 (both 0 for a chain step)."""
+        cost, p = self.cost, self.params
+        arm = cost.arm() if cost is not None else p.w
+        t0 = time.perf_counter()
+        if arm == "chain":
+            new = chain_round()
+            cost.observe_arm(arm, len(new), time.perf_counter() - t0)
+            return new, 0, 0
+        width, depth, cap = arm, min(p.d, room), p.n
+        kv = self.backend.kv
+        kv.ensure_capacity(P + max(cap, 1 + width * depth))
+
+        def score(tokens, start, parents):
+            s = time.perf_counter()
+            out = self.level.score(tokens, start, tree=(P, list(parents)))
+            if cost is not None:
+                cost.observe_pass(len(tokens), time.perf_counter() - s)
+            return out
+
+        keep_going = None
+        if cost is not None and self.gen is None and p.depth is None:
+            keep_going = lambda vals: cost.keep_going(arm, vals)  # noqa: E731
+        t = draft_tree(score, tok, P, width, depth, cap if self.gen is not None else 10 ** 9,
+                       self.gen, self.sp, keep_going)
+        t1 = time.perf_counter()
+        n = cost.nodes(t, cap, t1 - t0) if cost is not None and self.gen is None else cap
+        kept = select(t, n, self.gen is not None)
+        toks, parents = verify_layout(t, kept, P)
+        rows = self.backend.forward(toks, P, all_logits=True, tree=(P, parents))
+        t2 = time.perf_counter()
+        if self.gen is None:
+            path, new = accept_greedy(t, kept, rows)
+        else:
+            path, new = accept_sampled(t, kept, rows, self.sp, self.gen)
+        # the accepted rows to their linear positions P, P+1, ..: target rows, bit-equal to a linear
+        # pass's on the native backend (recorded for prompt reuse there; torch's are not batch-invariant)
+        kp = getattr(self.backend, "kernel_path", None)
+        kv.move_rows([P + k for k in path], P, [toks[k] for k in path] if kp is not None else None, kp)
+        st = self.stats
+        st.steps += 1
+        st.rows += len(kept)
+        st.drafted += len(t.tokens) - 1
+        st.accepted += len(path) - 1
+        st.draft_s += t1 - t0
+        st.verify_s += t2 - t1
+        if cost is not None:
+            predicted = sum(t.value[i] for i in kept[1:])
+            cost.observe_verify(len(kept), t2 - t1, predicted, len(path) - 1)
+            cost.observe_arm(arm, len(new), time.perf_counter() - t0)
+        return new, len(kept) - 1, len(path) - 1
+
+    def report(self, stats: dict) -> None:
+        st = self.stats
+        stats.update(tree_steps=st.steps, tree_verify_rows=st.rows, tree_drafted=st.drafted,
+                     tree_accepted=st.accepted, tree_draft_s=st.draft_s, tree_verify_s=st.verify_s,
+                     tree_mean_rows=st.rows / st.steps if st.steps else 0.0,
+                     tree_mean_path=st.accepted / st.steps if st.steps else 0.0)
