@@ -5,7 +5,7 @@ them. This test builds a second `_C` from the same sources with QSPEC_ISA_EMULAT
 (csrc/emu/isa_emulation.h: AVX-512 intrinsics from SIMDe, AMX tiles in software, the probe
 reporting every level) and runs the ISA-dependent test files against it in a child process:
 every GEMM and attention path against the scalar oracle, whole-forward batch invariance per
-level, and greedy speculative == plain greedy at each level. Emulation checks the code, not the
+level, tree rows == linear rows per level, and greedy speculative == plain greedy at each level. Emulation checks the code, not the
 CPU: on an AVX-512/AMX machine the ordinary run covers the real instructions as well.
 """
 
@@ -37,9 +37,14 @@ import pytest
 sys.exit(pytest.main(sys.argv[1:]))
 """
 
-FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py",
+# tree attention: the kernel and synthetic-model tests (the default model's tree rows: FULL)
+TREE_FAST = ["test_tree_attention.py::test_tree_rows_equal_linear_path",
+             "test_tree_attention.py::test_deep_chain_crosses_segments",
+             "test_tree_attention.py::test_small_model_tree_rows_equal_linear"]
+FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py", *TREE_FAST,
         "test_speculative.py::test_greedy_lossless_subset[mxfp4]"]  # the default draft on real model sizes
 FULL = ["test_gemm.py", "test_attention.py", "test_native_model.py", "test_speculative.py",
+        "test_tree_attention.py",
         "test_reference_hf.py", "test_membw.py", "test_levels.py::test_mx_chains_are_lossless"]
 
 

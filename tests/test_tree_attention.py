@@ -7,8 +7,10 @@ import pytest
 
 import qspec
 from qspec import _C
+from qspec.draft import DraftSpec
 from qspec.kv_cache import KVCache
-from qspec.synthetic import synthetic_config
+from qspec.native import NativeBackend
+from qspec.synthetic import synthetic_config, synthetic_weights
 
 PATHS = _C.attn_paths()
 ISA_LEVELS = _C.cpu_info()["isa_levels"]
@@ -122,6 +124,13 @@ def backend(default_model_dir):
     return qspec.load(default_model_dir).backend
 
 
+@pytest.fixture(scope="module")
+def small_backend():
+    cfg = synthetic_config("smollm2-135m", hidden_size=128, intermediate_size=320, n_layers=3, n_heads=4,
+                           n_kv_heads=2, head_dim=32, vocab_size=300, max_seq_len=512)
+    return NativeBackend(cfg, synthetic_weights(cfg, seed=5), DraftSpec("mxfp4", "mxfp4"))
+
+
 def _linear_logits(be, ctx, path_tokens, draft):
     be.forward(ctx, 0)
     out = None
@@ -130,16 +139,13 @@ def _linear_logits(be, ctx, path_tokens, draft):
     return out
 
 
-@pytest.mark.parametrize("isa", ISA_LEVELS)
-@pytest.mark.parametrize("draft", [0, 1])
-def test_model_tree_rows_equal_linear(backend, isa, draft):
+def check_model_tree(be, isa, draft, n_ctx):
     """A verify pass over a tree == a one-row linear forward per node over its path, bit for bit;
     the tree written in two passes (root level, then the rest) gives the same rows."""
-    be = backend
     _C.set_isa_limit(isa)
     try:
         rng = np.random.default_rng(3)
-        ctx = rng.integers(0, be.cfg.vocab_size, 21).tolist()
+        ctx = rng.integers(0, be.cfg.vocab_size, n_ctx).tolist()
         P = len(ctx)
         parents = [-1, P, P, P + 1, P + 1, P + 2, P + 3, P + 6]
         toks = rng.integers(0, be.cfg.vocab_size, len(parents)).tolist()
@@ -157,6 +163,22 @@ def test_model_tree_rows_equal_linear(backend, isa, draft):
                 assert np.array_equal(two_pass[i - 3], want), (isa, draft, i, path)
     finally:
         _C.set_isa_limit(_C.isa_detected())
+
+
+# the default model's scalar GEMMs take minutes: that level runs under -m slow (and on the
+# synthetic model below by default)
+@pytest.mark.parametrize("isa", [pytest.param(i, marks=pytest.mark.slow) if i == "scalar" else i
+                                 for i in ISA_LEVELS])
+@pytest.mark.parametrize("draft", [0, 1])
+def test_model_tree_rows_equal_linear(backend, isa, draft):
+    check_model_tree(backend, isa, draft, 21)
+
+
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+@pytest.mark.parametrize("draft", [0, 1])
+@pytest.mark.parametrize("n_ctx", [21, 252])  # 252: paths cross the 256-key segment boundary
+def test_small_model_tree_rows_equal_linear(small_backend, isa, draft, n_ctx):
+    check_model_tree(small_backend, isa, draft, n_ctx)
 
 
 def test_move_rows_then_linear_continuation(backend):
