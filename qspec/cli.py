@@ -69,7 +69,7 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
     g.add_argument("--tree", choices=("auto", "on", "off"), default=None,
                    help="draft trees (EAGLE-2 style) from the level-1 MX draft: auto = tree or chain, whichever "
-                   "measures faster (default when greedy), on, or off = the chain (default when sampling)")
+                   "measures faster, on, or off = the chain (default)")
     g.add_argument("--tree-width", "--draft-width", dest="tree_width", type=int, default=None,
                    help="tree: nodes expanded per depth and children per node (1..8; default: chosen)")
     g.add_argument("--tree-depth", type=int, default=None, help="tree: draft passes per step (1..32; default: chosen)")

@@ -37,6 +37,11 @@ DEFAULT_SAMPLING_DRAFT_MAX = 1
 Prompt = Union[str, list[int], list[dict[str, str]]]
 
 
+# Draft trees stay opt-in: on the 1.5B with its MXFP4 self-draft (Xeon with AMX, 12 dev prompts,
+# README "Draft trees") the chain was faster than every tree setting, "auto" included (1.95x vs
+# 1.76x): the self-draft's top-1 agrees so often that side branches add rows, not accepted tokens.
+DEFAULT_TREE = "off"
+
 class Backend(Protocol):
     """What the decoding loops need from a forward implementation (torch or native).
 
@@ -100,8 +105,8 @@ class Engine:
         prompt, or a chat's earlier turns and answers) is prefilled from where they end only;
         the output is the same bit for bit (`stats["cached_prompt_tokens"]` counts them).
         `tree`: draft trees (EAGLE-2 style, qspec/tree.py) from the MX draft at level 1: "auto"
-        (the default when greedy: tree or chain, whichever the cost model measures faster), "on",
-        or "off" (the chain; the default when sampling). `tree_width` (nodes expanded per depth and
+        (tree or chain, whichever the cost model measures faster), "on", or "off" (the chain, the
+        default: DEFAULT_TREE). `tree_width` (nodes expanded per depth and
         children per node, 1..8), `tree_depth` (draft passes, 1..32) and `tree_nodes` (N, verify
         rows with the root, 2..64, at least tree_depth + 1) cap the tree; unset ones are chosen.
         """
@@ -136,8 +141,7 @@ class Engine:
         Closing the generator early (a caller that stops iterating) leaves the engine ready for
         the next call: the cache's committed length is set by every prefill."""
         st = stats if stats is not None else {}
-        default = "auto" if not temperature else "off"
-        tp = TreeParams(default if tree is None else tree, tree_width, tree_depth, tree_nodes)
+        tp = TreeParams(DEFAULT_TREE if tree is None else tree, tree_width, tree_depth, tree_nodes)
         return self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
                             speculative, draft_max, draft_min, draft_p_min, levels, tp)
 
