@@ -112,7 +112,9 @@ class Model {
     n_kv_ = cfg["n_kv_heads"].cast<int64_t>();
     hd_ = cfg["head_dim"].cast<int64_t>();
     vocab_ = cfg["vocab_size"].cast<int64_t>();
+    lm_rows_ = cfg.contains("lm_head_rows") ? cfg["lm_head_rows"].cast<int64_t>() : vocab_;
     eps_ = cfg["rms_norm_eps"].cast<float>();
+    if (lm_rows_ < 1 || lm_rows_ > vocab_) throw std::invalid_argument("lm_head_rows must be in [1, vocab_size]");
     if (embed.ndim() != 2 || embed.shape(0) != vocab_ || embed.shape(1) != d_)
       throw std::invalid_argument("embed must be uint16 (bf16 bits) [vocab, hidden]");
     if (int64_t(norm_.size()) != d_) throw std::invalid_argument("norm must be float32 [hidden]");
@@ -150,7 +152,7 @@ class Model {
 
   void set_lm_head(int set, std::shared_ptr<PackedWeight> w) {
     check_set(set);
-    check_shape(*w, vocab_, d_, "lm_head");
+    check_shape(*w, lm_rows_, d_, "lm_head");
     sets_[set].lm_head = w;
   }
 
@@ -161,6 +163,20 @@ class Model {
     cos_.assign(cos.data(), cos.data() + cos.size());
     sin_.assign(sin.data(), sin.data() + sin.size());
     rope_positions_ = cos.shape(0);
+  }
+
+  // Tensor parallelism (qspec/parallel): this model holds one rank's shard (its heads, its FFN
+  // slice, its LM-head rows) and `reducer` is called, with the GIL, on the [m, hidden] partial sums
+  // of the row-parallel O and down projections; it replaces them in place by the sum over ranks.
+  // None: one process, nothing is called.
+  void set_reducer(py::object reducer) { reducer_ = std::move(reducer); }
+
+  void reduce(float* x, int64_t m) {
+    if (reducer_.is_none()) return;
+    py::gil_scoped_acquire gil;
+    auto base = py::capsule(x, [](void*) {});  // a view: the buffer outlives the call
+    py::array_t<float> view({m, d_}, {d_ * int64_t(sizeof(float)), int64_t(sizeof(float))}, x, base);
+    reducer_(view);
   }
 
   bool has_set(int set) const {
@@ -181,7 +197,7 @@ class Model {
   };
   struct Profile {
     GemmProfile gemm[kGemmKinds];
-    double attention = 0, attention_idle = 0, attention_idle_thread = 0, rowwise = 0, total = 0;
+    double attention = 0, attention_idle = 0, attention_idle_thread = 0, rowwise = 0, reduce = 0, total = 0;
     int64_t calls = 0;
   };
   const Profile& profile() const { return prof_; }
@@ -266,21 +282,26 @@ class Model {
       prof_.attention_idle += attn_idle.idle_s;
       prof_.attention_idle_thread += attn_idle.idle_thread_s;
       timed_gemm(kO, *L.wo, att_.data(), q_n, tmp_.data(), d_, m);
+      reduce(tmp_.data(), m);
+      lap(prof_.reduce);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
       for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]); });
       timed_gemm(kGateUp, *L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
       for_rows(m, [&](int64_t r) { silu_mul(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_); });
       timed_gemm(kDown, *L.wdown, act_.data(), f_, tmp_.data(), d_, m);
+      reduce(tmp_.data(), m);
+      lap(prof_.reduce);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }
     const int64_t first = all_logits ? 0 : m - 1, rows = m - first;
     for (int64_t r = first; r < m; ++r) rms_norm(&h_[r * d_], norm_.data(), eps_, d_, &x_[(r - first) * d_]);
-    timed_gemm(kLmHead, *ws.lm_head, x_.data(), d_, logits, vocab_, rows);
+    timed_gemm(kLmHead, *ws.lm_head, x_.data(), d_, logits, lm_rows_, rows);
     prof_.total += seconds_between(t_start, t);
     prof_.calls += 1;
   }
 
   int64_t vocab() const { return vocab_; }
+  int64_t lm_head_rows() const { return lm_rows_; }
   int64_t n_layers() const { return n_layers_; }
   int64_t n_kv() const { return n_kv_; }
   int64_t head_dim() const { return hd_; }
@@ -301,7 +322,8 @@ class Model {
 
   py::array_t<uint16_t, py::array::c_style> embed_;  // keeps the BF16 embedding alive
   std::vector<float> norm_;
-  int64_t d_ = 0, f_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, hd_ = 0, vocab_ = 0;
+  int64_t d_ = 0, f_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, hd_ = 0, vocab_ = 0, lm_rows_ = 0;
+  py::object reducer_ = py::none();
   float eps_ = 1e-5f;
   WeightSet sets_[kWeightSets];
   std::vector<std::vector<float>> attn_norm_, mlp_norm_, bqkv_;
@@ -336,6 +358,9 @@ void bind_model(py::module_& m) {
       .def("set_lm_head", &Model::set_lm_head, py::arg("set"), py::arg("w"))
       .def("set_rope", &Model::set_rope, py::arg("cos"), py::arg("sin"))
       .def("has_set", &Model::has_set, py::arg("set"))
+      .def("set_reducer", &Model::set_reducer, py::arg("reducer"),
+           "reducer(x): called with the GIL on the [m, hidden] float32 partial sums of the O and down "
+           "projections, replaces them in place by the sum over tensor-parallel ranks; None: off")
       .def_property_readonly("rope_positions", &Model::rope_positions)
       .def("profile", [](const Model& self) {
         const auto& p = self.profile();
@@ -360,15 +385,16 @@ void bind_model(py::module_& m) {
         d["attention_idle_s"] = p.attention_idle;
         d["attention_idle_thread_s"] = p.attention_idle_thread;
         d["rowwise_s"] = p.rowwise;
-        d["other_s"] = p.total - gemm - p.attention;  // = rowwise_s up to rounding (older name)
+        d["reduce_s"] = p.reduce;
+        d["other_s"] = p.total - gemm - p.attention - p.reduce;  // = rowwise_s up to rounding (older name)
         d["total_s"] = p.total;
         d["calls"] = p.calls;
         return d;
       }, "seconds of forward() by piece since profile_reset(): gemm_{qkv,o,gate_up,down,lm_head}_s (wall; "
          "of each, _prep_s activation preparation and _idle_s the idle share of its parallel region), "
          "gemm_s / gemm_prep_s / gemm_idle_s their sums, gemm_idle_thread_s idle thread-seconds, "
-         "attention_s (attention_idle_s, attention_idle_thread_s), rowwise_s, other_s (= total - gemm - "
-         "attention), total_s, calls")
+         "attention_s (attention_idle_s, attention_idle_thread_s), rowwise_s, reduce_s (tensor-parallel "
+         "reductions), other_s (= total - gemm - attention - reduce), total_s, calls")
       .def("profile_reset", &Model::profile_reset)
       .def(
           "forward",
@@ -387,8 +413,8 @@ void bind_model(py::module_& m) {
             if (start_pos + m > self.rope_positions())
               throw std::invalid_argument("positions exceed the RoPE table");
             const int64_t rows = all_logits ? m : 1;
-            if (out.ndim() != 2 || out.shape(0) < rows || out.shape(1) != self.vocab())
-              throw std::invalid_argument("out must be float32 [rows, vocab]");
+            if (out.ndim() != 2 || out.shape(0) < rows || out.shape(1) != self.lm_head_rows())
+              throw std::invalid_argument("out must be float32 [rows, lm_head_rows]");
             const int32_t* t = tokens.data();
             for (int64_t i = 0; i < m; ++i)
               if (t[i] < 0 || t[i] >= self.vocab()) throw std::invalid_argument("token id outside the vocabulary");

@@ -299,13 +299,14 @@ def _cmd_quantize(a: argparse.Namespace) -> int:
     from .fetch import resolve_model
     from .loader import load_weights
     from .native import cast_draft
+    from .parallel.shard import Shard
 
     model_dir = resolve_model(a.model)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     spec = resolve_draft_spec(a.format or "auto", a.lm_head, cfg)
     weights = load_weights(model_dir, cfg)
     out = Path(a.out) if a.out else model_dir / f"draft-{spec.fmt}.qspec.safetensors"
-    save_draft_file(out, model_dir, spec, cast_draft(weights, spec))
+    save_draft_file(out, model_dir, spec, cast_draft(weights, spec, Shard.plan(cfg)))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
     return 0
 

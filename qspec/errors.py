@@ -20,3 +20,9 @@ class PromptTooLongError(QspecError, ValueError):
 class FetchError(QspecError):
     """`qspec fetch`: an unknown model name, a failed download, wheels of the wrong size or
     checksum, or a write error (a full disk) while fetching or converting."""
+
+
+class TensorParallelError(QspecError):
+    """Tensor parallelism (qspec/parallel): a model that cannot be split over the world size, ranks
+    that disagree on the model or version, a rank that cannot reach the rendezvous, or a rank that
+    stopped answering mid-generation."""

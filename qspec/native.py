@@ -18,6 +18,7 @@ from .draft import DraftSpec, _read_header, pack_mx_matrix
 from .errors import DraftFileError, ModelLoadError
 from .kv_cache import KVCache
 from .loader import ModelWeights, _weight_files
+from .parallel.shard import Shard
 from .rope import rope_tables
 
 TARGET, DRAFT = 0, 1
@@ -65,18 +66,6 @@ def bf16_numpy(t) -> np.ndarray:
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def fused_layer_matrices(lw) -> dict:
-    """The four GEMM operands of a layer: [q;k;v], o, [gate;up], down (BF16 torch tensors)."""
-    import torch
-
-    return {
-        "wqkv": torch.cat([lw.wq, lw.wk, lw.wv]),
-        "wo": lw.wo,
-        "w_gate_up": torch.cat([lw.w_gate, lw.w_up]),
-        "w_down": lw.w_down,
-    }
-
-
 SMALL = ("attn_norm", "mlp_norm")  # + "bqkv" with attention biases: per-layer float32 vectors
 
 
@@ -96,33 +85,34 @@ def draft_names(cfg: ModelConfig, spec: DraftSpec) -> list[str]:
     return _layer_names(cfg, False) + (["lm_head"] if spec.lm_head != "bf16" else [])
 
 
-def pack_target(weights: ModelWeights) -> Iterator[tuple[str, object]]:
-    """The packed target, one entry at a time (the names of target_names)."""
-    import torch
-
+def pack_target(weights: ModelWeights, shard: Shard) -> Iterator[tuple[str, object]]:
+    """The packed target (of `shard`'s part of the model), one entry at a time (the names of target_names)."""
     for i, lw in enumerate(weights.layers):
         yield f"layers.{i}.attn_norm", lw.attn_norm.float().numpy()
         yield f"layers.{i}.mlp_norm", lw.mlp_norm.float().numpy()
-        if lw.bq is not None:
-            yield f"layers.{i}.bqkv", torch.cat([lw.bq, lw.bk, lw.bv]).float().numpy()
-        for k, w in fused_layer_matrices(lw).items():
+        bias = shard.layer_bias(lw)
+        if bias is not None:
+            yield f"layers.{i}.bqkv", bias.numpy()
+        for k, w in shard.layer_matrices(lw).items():
             yield f"layers.{i}.{k}", _C.pack_bf16(bf16_numpy(w))
     yield "norm", weights.norm.float().numpy()
-    yield "lm_head", _C.pack_bf16(bf16_numpy(weights.lm_head))
+    yield "lm_head", _C.pack_bf16(bf16_numpy(shard.lm_head(weights.lm_head)))
 
 
-def cast_draft_matrices(weights: ModelWeights, spec: DraftSpec) -> Iterator[tuple[str, object]]:
-    """The draft's packed MX matrices, one at a time, by direct cast of the target's own BF16 weights."""
+def cast_draft_matrices(weights: ModelWeights, spec: DraftSpec, shard: Shard) -> Iterator[tuple[str, object]]:
+    """The draft's packed MX matrices (of `shard`'s part of the model), one at a time, by direct
+    cast of the target's own BF16 weights."""
     for i, lw in enumerate(weights.layers):
-        for k, w in fused_layer_matrices(lw).items():
+        for k, w in shard.layer_matrices(lw).items():
             yield f"layers.{i}.{k}", pack_mx_matrix(w, spec.fmt)
     if spec.lm_head != "bf16":
-        yield "lm_head", pack_mx_matrix(weights.lm_head, spec.lm_head)
+        yield "lm_head", pack_mx_matrix(shard.lm_head(weights.lm_head), spec.lm_head)
 
 
-def cast_draft(weights: ModelWeights, spec: DraftSpec) -> dict:
-    """The draft's packed MX matrices, by direct cast of the target's own BF16 weights."""
-    return dict(cast_draft_matrices(weights, spec))
+def cast_draft(weights: ModelWeights, spec: DraftSpec, shard: Shard) -> dict:
+    """The draft's packed MX matrices (of `shard`'s part of the model), by direct cast of the
+    target's own BF16 weights."""
+    return dict(cast_draft_matrices(weights, spec, shard))
 
 
 def _progress(items: Iterable, total: int, desc: str) -> Iterator:
@@ -154,21 +144,25 @@ def map_checkpoint_tensor(model_dir: Path, name: str, shape: tuple[int, ...]) ->
 
 def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                    draft_packed: dict | None = None, cache: bool | None = None,
-                   upper_drafts: Sequence[DraftSpec] = ()) -> "NativeBackend":
+                   upper_drafts: Sequence[DraftSpec] = (), shard: Shard | None = None) -> "NativeBackend":
     """A NativeBackend whose packed target (and draft, unless `draft_packed` comes from a draft
     file) are memory-mapped from the weight cache (qspec/weight_cache.py) when it has them, else
     packed/cast here, with a progress bar, and written to the cache for the next load.
     `upper_drafts`: MX formats of the draft levels above the draft (weight sets 2, 3, ...), got the same way.
-    `cache`: None = on unless QSPEC_NO_WEIGHT_CACHE is set. `backend.load_info` says what happened."""
+    `cache`: None = on unless QSPEC_NO_WEIGHT_CACHE is set. `backend.load_info` says what happened.
+    `shard`: the part of the model a tensor-parallel rank holds (qspec/parallel; default: all of it);
+    its packed weights are cached under kinds of their own."""
     from .weight_cache import WeightCache, cache_enabled, draft_kind
 
     t0 = time.perf_counter()
+    shard = shard or Shard.plan(cfg)
     info: dict = {}
     wc = WeightCache(model_dir) if cache_enabled(cache) else None
     estimate = int(wc.identity["weight_bytes"]) if wc is not None else 0
 
     def get(what: str, kind: str, fmt: str, lm_head: str, names: list[str], make, size: int, desc: str) -> dict:
         t = time.perf_counter()
+        kind += shard.tag
         how, packed = "cache", wc.load(kind, fmt, lm_head) if wc is not None else None
         if packed is None and wc is not None:  # stream into the cache file, then map it
             how, packed = "built+cached", wc.store(kind, fmt, lm_head, names,
@@ -178,21 +172,22 @@ def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, dra
         info[what], info[f"{what}_s"] = how, time.perf_counter() - t
         return packed
 
-    target = get("target", "target", "bf16", "bf16", target_names(cfg), lambda: pack_target(weights), estimate,
+    target = get("target", "target", "bf16", "bf16", target_names(cfg), lambda: pack_target(weights, shard), estimate // shard.world,
                  "qspec: packing BF16 weights")
     if draft is not None and draft_packed is None:
         draft_packed = get("draft", draft_kind(draft), draft.fmt, draft.lm_head, draft_names(cfg, draft),
-                           lambda: cast_draft_matrices(weights, draft), estimate // 2,
+                           lambda: cast_draft_matrices(weights, draft, shard), estimate // (2 * shard.world),
                            f"qspec: casting the {draft.fmt} draft")
     elif draft_packed is not None:
         info["draft"] = "file"
     upper = [(spec, get(f"draft{i}", draft_kind(spec), spec.fmt, spec.lm_head, draft_names(cfg, spec),
-                        lambda spec=spec: cast_draft_matrices(weights, spec), estimate // 2,
+                        lambda spec=spec: cast_draft_matrices(weights, spec, shard), estimate // (2 * shard.world),
                         f"qspec: casting the {spec.fmt} upper draft"))
              for i, spec in enumerate(upper_drafts, start=2)]
     embed = map_checkpoint_tensor(model_dir, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     info["embed"] = "mapped" if embed is not None else "copied"
-    be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed, upper_drafts=upper)
+    be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed, upper_drafts=upper,
+                       shard=shard)
     info["load_s"] = time.perf_counter() - t0
     be.load_info = info
     return be
@@ -204,20 +199,25 @@ class NativeBackend:
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                  draft_packed: dict | None = None, *, target_packed: dict | None = None,
-                 embed: np.ndarray | None = None, upper_drafts: Sequence[tuple[DraftSpec, dict]] = ()):
+                 embed: np.ndarray | None = None, upper_drafts: Sequence[tuple[DraftSpec, dict]] = (),
+                 shard: Shard | None = None):
         """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight or float32
         array, e.g. mapped from the weight cache or a draft file) are used as they are; otherwise
         the target is packed and `draft` cast here. `embed`: the BF16 bits of the embedding to
         borrow (a mapping of the checkpoint); otherwise a private copy of `weights.embed` is made.
         Nothing else is read from `weights` when both packed sets are given. `upper_drafts`:
-        (format, packed matrices) of weight sets 2, 3, ... (needs `draft`)."""
+        (format, packed matrices) of weight sets 2, 3, ... (needs `draft`). `shard`: the part of the
+        model this tensor-parallel rank holds (default: all of it); its forward returns logits of
+        its vocab rows only, and `set_reducer` must be given the reduction over the ranks."""
         if upper_drafts and draft is None:
             raise ValueError("draft levels above the draft need a draft (weight set 1)")
         self.cfg = cfg
-        self.kv = KVCache(cfg, 0)
+        self.shard = shard = shard or Shard.plan(cfg)
+        local = shard.local_config(cfg)
+        self.kv = KVCache(local, 0)  # this rank's KV heads
         self.load_info: dict = {}
         if target_packed is None:
-            target_packed = dict(pack_target(weights))
+            target_packed = dict(pack_target(weights, shard))
         # the model borrows it: a mapping of the checkpoint, or a private copy (the checkpoint
         # mapping of `weights` closes after load)
         self._embed = embed if embed is not None else bf16_numpy(weights.embed.clone())
@@ -225,9 +225,10 @@ class NativeBackend:
         self.target_bytes = self.draft_bytes = 0
         try:
             self.model = _C.Model(
-                {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-                 "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-                 "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps},
+                {"hidden_size": cfg.hidden_size, "intermediate_size": local.intermediate_size,
+                 "n_layers": cfg.n_layers, "n_heads": local.n_heads, "n_kv_heads": local.n_kv_heads,
+                 "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "lm_head_rows": shard.vocab_rows,
+                 "rms_norm_eps": cfg.rms_norm_eps},
                 self._embed, target_packed["norm"])
             for i in range(cfg.n_layers):
                 p = f"layers.{i}."
@@ -243,7 +244,7 @@ class NativeBackend:
         self.target_bytes += self.lm_head.nbytes
         packed_draft = {}
         if draft is not None:
-            packed_draft = draft_packed if draft_packed is not None else cast_draft(weights, draft)
+            packed_draft = draft_packed if draft_packed is not None else cast_draft(weights, draft, shard)
             self.draft_bytes = self._set_draft(DRAFT, packed_draft, DraftFileError, "draft file")
         self.draft_packed = packed_draft  # the draft matrices, as a draft file holds them
         # bytes each weight set streams per pass; [0] the target, [1] the draft, [2..] upper drafts
@@ -252,7 +253,7 @@ class NativeBackend:
         for set_index, (spec, packed) in enumerate(upper_drafts, start=DRAFT + 1):
             self.set_bytes.append(self._set_draft(set_index, packed, ModelLoadError, f"{spec.fmt} draft"))
         self._rope_positions = 0
-        self._logits = np.empty((0, cfg.vocab_size), dtype=np.float32)
+        self._logits = np.empty((0, shard.vocab_rows), dtype=np.float32)
 
     def _set_draft(self, set_index: int, packed: dict, error: type, what: str) -> int:
         """Load MX matrices into a weight set (the LM head is the target's unless `packed` has
@@ -289,7 +290,7 @@ class NativeBackend:
             tree = (tree[0], check_tree(tree, start_pos, m))
         rows = m if all_logits else 1
         if self._logits.shape[0] < rows:
-            self._logits = np.empty((rows, self.cfg.vocab_size), dtype=np.float32)
+            self._logits = np.empty((rows, self.shard.vocab_rows), dtype=np.float32)
         self._ensure_rope(start_pos + m)
         out = self._logits[:rows]
         # every op is batch-invariant (docs/architecture.md): a target row's bits depend only on the

@@ -9,7 +9,8 @@ loads map it zero-copy, as a `qspec quantize` draft file is mapped.
 Files: `<model dir name>-<sha256(resolved model dir)[:16]>.<kind>.qspec.safetensors`, kind
 "target" (each layer's four BF16 matrices, norms and biases; the final norm and the LM head) or
 "draft-<format>-<LM head format>" (a draft file, what `qspec quantize` writes: `--draft-file`
-takes it). Both are packed files (qspec/draft.py).
+takes it), with ".tp<rank>of<world>" after the kind for a tensor-parallel rank's shard
+(qspec/parallel/shard.py). All are packed files (qspec/draft.py).
 A file is used only if its metadata matches this build and this checkpoint: cache version,
 packed-file version, PACK_LAYOUT_VERSION, kind and formats, and the checkpoint identity (model
 path, each weight file's size and mtime, config.json SHA-256). Anything else (no file, another
@@ -65,7 +66,7 @@ def draft_kind(spec: DraftSpec) -> str:
 
 def _file_kind(kind: str) -> str:
     """The packed-file kind: a draft cache file is a draft file (`--draft-file` takes it)."""
-    return "target" if kind == "target" else "draft"
+    return "target" if kind.split(".")[0] == "target" else "draft"
 
 
 def warn(msg: str) -> None:

@@ -208,9 +208,9 @@ def test_write_failure_leaves_no_temp_file(default_model_dir, cache, monkeypatch
 
     real, calls = qspec.native.pack_target, []
 
-    def fills_the_disk(weights):
+    def fills_the_disk(weights, shard):
         calls.append(1)
-        for i, item in enumerate(real(weights)):
+        for i, item in enumerate(real(weights, shard)):
             if len(calls) == 1 and i == 3:
                 raise OSError(28, "No space left on device")
             yield item
