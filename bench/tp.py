@@ -1,0 +1,417 @@
+"""Tensor parallelism: what its collectives cost here, and a paper model of sockets and hosts:
+`qspec bench tp [--what collectives,projection] [--world N] [--reps N] [--quick] [--json PATH]
+[projection options]` (or `python -m bench.tp ...` from a development install).
+
+collectives  W local ranks (--world, default 2; one thread each, placed by
+             qspec.parallel.topology) on loopback gloo time the collectives a TP forward runs,
+             each rep from a common start (an untimed barrier) to the end of the op on its slowest
+             rank; median / p10 / p90 of --reps (default 200) after a warm-up:
+               reduce   the ordered row reduction after a row-parallel layer: every rank sends its
+                        [m, d] float32 partial to every other rank, receives theirs and adds all
+                        of them in rank order (m in 1, 5, 9, 16; d in 576, 1536, 4096, 8192)
+               gather   the logits gather: each follower sends [m, vocab/W] float32 to rank 0
+                        (vocab 151936 and 128256; m in 1, 9)
+               command  rank 0's per-forward command broadcast (64 and 256 bytes)
+projection   A PROJECTION, not a measurement: decode step time and tok/s of Llama-3.1-8B and
+             -70B shapes on 1 socket, 2 sockets (TP 2) and 2 or 4 hosts of 2 sockets (TP 4, 8).
+             Assumptions (printed with the table):
+             - decode is memory-bound: a forward of m rows streams each rank's weight shard once
+               (BF16 target 16 bits, MXFP4 draft 4.25 bits per weight, LM head included) and
+               its share of the BF16 KV cache at --context positions, at --socket-gbs per socket
+               (one rank per socket; default 250 GB/s = 8-channel DDR5-4800, 307 GB/s peak, at
+               ~80%); compute and the embedding lookup are ignored, so a verify of K+1 rows costs
+               one plain step's bytes;
+             - per forward: 2 x layers row reductions of [m, hidden], 1 logits gather of
+               [m, vocab/TP] to rank 0, 1 command; between sockets of a host each costs the
+               loopback latency measured for its size (collectives at W = 2, measured now if
+               not in --what), or --intra-latency-us;
+             - between hosts each adds --net-latency-us (default 25) plus its bytes through one
+               host's NIC at --net-gbps (default 100 Gb/s): a reduction sends every rank's
+               partial to each rank of the other hosts, the gather brings the remote hosts'
+               vocab slices to rank 0; network and intra-host parts are not overlapped;
+             - speculative step: K (--k, 8) draft steps of one row with the MXFP4 weights, each
+               with the same collectives, and a verify of K+1 rows; speedup over plain decoding
+               on the same ranks = tau / (K c + v), tau = --tau (default 6.4: the measured MXFP4
+               K=8 tau of qwen2.5-coder-1.5b), c = draft step / plain step, v = verify / plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+
+from qspec.errors import TensorParallelError
+
+from .common import JsonWriter, fmt_table, llc_bytes, parent_parser, print_header, setup
+
+REDUCE_M, REDUCE_D = (1, 5, 9, 16), (576, 1536, 4096, 8192)
+GATHER_M, GATHER_VOCAB = (1, 9), (151936, 128256)
+COMMAND_BYTES = (64, 256)
+F32 = 4
+
+
+# ------------------------------------------------------------------------------- collectives
+def collective_cases(quick: bool, world: int) -> list[dict]:
+    """The cases of the collectives section, each with its bytes per message."""
+    ms, ds = ((1, 9), (1536, 8192)) if quick else (REDUCE_M, REDUCE_D)
+    cases = [{"op": "reduce", "m": m, "d": d, "bytes": m * d * F32} for m in ms for d in ds]
+    for v in GATHER_VOCAB[:1] if quick else GATHER_VOCAB:
+        cases += [{"op": "gather", "m": m, "vocab": v, "bytes": m * (-(-v // world)) * F32} for m in GATHER_M]
+    return cases + [{"op": "command", "bytes": b} for b in COMMAND_BYTES]
+
+
+def _op(case: dict, rank: int, world: int):
+    """The timed callable of one case on this rank (hand-rolled on torch.distributed, the same
+    messages as the engine's collectives), and a check of its result to run once."""
+    import torch
+    import torch.distributed as dist
+
+    peers = [p for p in range(world) if p != rank]
+    n = case["bytes"] // F32
+    if case["op"] == "reduce":
+        mine = torch.full((n,), float(rank + 1))
+        bufs = {p: torch.empty(n) for p in peers}
+        acc = np.empty(n, np.float32)
+
+        def run():
+            reqs = [dist.isend(mine, p) for p in peers] + [dist.irecv(bufs[p], p) for p in peers]
+            for r in reqs:
+                r.wait()
+            parts = [mine.numpy() if r == rank else bufs[r].numpy() for r in range(world)]
+            np.add(parts[0], parts[1], out=acc)
+            for p in parts[2:]:
+                np.add(acc, p, out=acc)
+        return run, lambda: bool((acc == world * (world + 1) / 2).all())
+    if case["op"] == "gather":
+        local = torch.full((n,), float(rank + 1))
+        bufs = {p: torch.empty(n) for p in peers}
+
+        def run():
+            if rank:
+                dist.send(local, 0)
+            else:
+                for r in [dist.irecv(bufs[p], p) for p in peers]:
+                    r.wait()
+        return run, lambda: rank > 0 or all(bool((bufs[p] == p + 1).all()) for p in peers)
+    cmd = torch.full((case["bytes"],), 7 if rank == 0 else 0, dtype=torch.uint8)
+    return (lambda: dist.broadcast(cmd, 0)), lambda: bool((cmd == 7).all())
+
+
+def _rank_main(rank: int, spec: dict) -> None:
+    """One rank of the collectives run (a process of its own, MASTER_ADDR/MASTER_PORT set);
+    rank 0 writes the results as JSON to spec["out"]."""
+    import torch
+    import torch.distributed as dist
+
+    from qspec.parallel.topology import apply, place
+
+    world, reps, warmup = spec["world"], spec["reps"], spec["warmup"]
+    placement = place(rank, world)
+    apply(placement)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        results = []
+        for case in spec["cases"]:
+            run, check = _op(case, rank, world)
+            for _ in range(warmup):
+                dist.barrier()
+                run()
+            if not check():
+                raise RuntimeError(f"rank {rank}: wrong result of {case}")
+            ts = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                run()
+                ts.append(time.perf_counter() - t0)
+            every = [None] * world
+            dist.all_gather_object(every, ts)
+            results.append({**case, "slowest": [max(t) for t in zip(*every)], "rank0": ts})
+        placements = [None] * world
+        dist.all_gather_object(placements, [placement.cpus, placement.pin])
+        if rank == 0:
+            with open(spec["out"], "w") as f:
+                json.dump({"results": results, "placements": placements}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, spec: dict, tmp: str) -> None:
+    """Run _rank_main in `world` processes on loopback; TensorParallelError (with the failing rank's
+    last stderr line) if one fails or all have not finished in time; the others are ended."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    module = __spec__.name if __spec__ else __name__
+    code = f"import json, sys; from {module} import _rank_main; _rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))"
+    logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), json.dumps(spec)], stdout=subprocess.DEVNULL,
+                              stderr=logs[r], env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+    deadline = time.monotonic() + 120 + 0.05 * spec["reps"] * len(spec["cases"])
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                if not failed:
+                    raise TensorParallelError(f"the collectives run did not finish in time (rank {r} still running)")
+            elif p.returncode:
+                logs[r].seek(0)
+                lines = [x for x in logs[r].read().splitlines() if x.strip()]
+                raise TensorParallelError(f"rank {r} of the collectives run failed: {lines[-1] if lines else p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+
+
+def measure(world: int, cases: list[dict], reps: int, warmup: int = 20) -> tuple[list[dict], list]:
+    """Spawn `world` ranks on loopback gloo and time `cases`; one row per case (microseconds:
+    median, p10, p90 of the slowest rank per rep, rank 0's median) and the ranks' placements."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tp.json")
+        _spawn(world, {"world": world, "cases": cases, "reps": reps, "warmup": warmup, "out": path}, tmp)
+        with open(path) as f:
+            got = json.load(f)
+    rows = []
+    for r in got["results"]:
+        q = statistics.quantiles(r.pop("slowest"), n=10, method="inclusive")
+        rows.append({**r, "median_us": 1e6 * q[4], "p10_us": 1e6 * q[0], "p90_us": 1e6 * q[8],
+                     "rank0_median_us": 1e6 * statistics.median(r.pop("rank0")), "world": world, "reps": reps})
+    return rows, got["placements"]
+
+
+def run_collectives(args, writer: JsonWriter) -> list[dict]:
+    print(f"\n## collectives: {args.world} ranks on loopback gloo, 1 thread each; per case {args.reps} reps "
+          "after 20 warm-up; each rep from an untimed barrier to the op's end on its slowest rank", flush=True)
+    rows, placements = measure(args.world, collective_cases(args.quick, args.world), args.reps)
+    print("# placements (cpus, pinned) by rank: " + ", ".join(f"{c} {'pinned' if p else 'unpinned'}"
+                                                             for c, p in placements))
+    for r in rows:
+        writer.write({"section": "collectives", **r})
+    table = [{**r, "size": f"[{r['m']}, {r.get('d') or -(-r['vocab'] // args.world)}]" if "m" in r else "-"}
+             for r in rows]
+    print(fmt_table(table, ["op", "size", "bytes", "median_us", "p10_us", "p90_us", "rank0_median_us"]), flush=True)
+    if args.world == 2:
+        args.measured = rows
+    return rows
+
+
+# ------------------------------------------------------------------------------- projection
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int = 128
+
+    def gemm_weights(self) -> int:
+        """Weights every decode step streams: QKV, O, gate, up, down of every layer + LM head."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        return self.layers * per_layer + self.vocab * self.hidden
+
+    def kv_bytes(self, context: int) -> int:
+        """BF16 K and V of `context` positions, all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * context * 2
+
+
+SHAPES = (Shape("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128256),
+          Shape("Llama-3.1-70B", 8192, 28672, 80, 64, 8, 128256))
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    hosts: int
+    sockets: int  # per host; one rank per socket
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.sockets
+
+
+SETUPS = (Setup("1 socket", 1, 1), Setup("2 sockets", 1, 2), Setup("2 hosts", 2, 2), Setup("4 hosts", 4, 2))
+
+
+class Links:
+    """What a collective costs. intra(op, nbytes): between the sockets of one host, from measured
+    rows (piecewise linear in bytes, linear beyond the ends) or a constant; net_s + bytes/net_Bps
+    between hosts."""
+
+    def __init__(self, measured: list[dict] | None, intra_us: float | None, net_us: float, net_gbps: float):
+        self.net_s, self.net_Bps = net_us * 1e-6, net_gbps * 1e9 / 8
+        self.const = None if intra_us is None else intra_us * 1e-6
+        self.points = {}
+        for r in measured or []:
+            self.points.setdefault(r["op"], {})[r["bytes"]] = r["median_us"] * 1e-6
+
+    def intra(self, op: str, nbytes: float) -> float:
+        if self.const is not None:
+            return self.const
+        pts = sorted(self.points[op].items())
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if len(xs) == 1 or xs[0] <= nbytes <= xs[-1]:
+            return float(np.interp(nbytes, xs, ys))
+        i = 0 if nbytes < xs[0] else len(xs) - 2
+        return max(0.0, ys[i] + (ys[i + 1] - ys[i]) * (nbytes - xs[i]) / (xs[i + 1] - xs[i]))
+
+
+def comm_s(shape: Shape, setup: Setup, m: int, links: Links, command_bytes: int) -> float:
+    """Collectives of one forward of m rows: 2 x layers reductions, 1 logits gather, 1 command."""
+    if setup.ranks == 1:
+        return 0.0
+    red_b = m * shape.hidden * F32
+    slice_b = m * -(-shape.vocab // setup.ranks) * F32
+    red, gat, cmd = links.intra("reduce", red_b), links.intra("gather", slice_b), links.intra("command", command_bytes)
+    if setup.hosts > 1:
+        remote = setup.ranks - setup.sockets  # ranks on other hosts
+        red += links.net_s + setup.sockets * remote * red_b / links.net_Bps
+        gat += links.net_s + remote * slice_b / links.net_Bps
+        cmd += links.net_s
+    return 2 * shape.layers * red + gat + cmd
+
+
+def step_s(shape: Shape, setup: Setup, m: int, bits: float, links: Links, socket_gbs: float, context: int,
+           command_bytes: int) -> tuple[float, float]:
+    """(memory seconds, collective seconds) of one forward of m rows with `bits` per weight."""
+    nbytes = (shape.gemm_weights() * bits / 8 + shape.kv_bytes(context)) / setup.ranks
+    return nbytes / (socket_gbs * 1e9), comm_s(shape, setup, m, links, command_bytes)
+
+
+def project(shape: Shape, setup: Setup, links: Links, *, socket_gbs: float, context: int, k: int, tau: float,
+            draft_bits: float, command_bytes: int) -> dict:
+    """One row of the projection: plain and speculative decode of `shape` on `setup`."""
+    def total(m, bits):
+        mem, comm = step_s(shape, setup, m, bits, links, socket_gbs, context, command_bytes)
+        return mem, comm, mem + comm
+
+    mem, comm, t = total(1, 16)
+    d_mem, d_comm, d = total(1, draft_bits)
+    _, v_comm, v = total(k + 1, 16)
+    c, vr = d / t, v / t
+    return {"projection": True, "model": shape.name, "setup": setup.name, "tp": setup.ranks,
+            "gb_per_rank": shape.gemm_weights() * 2 / setup.ranks / 1e9,
+            "mem_ms": 1e3 * mem, "comm_ms": 1e3 * comm, "step_ms": 1e3 * t, "plain_tok_s": 1 / t,
+            "draft_ms": 1e3 * d, "verify_ms": 1e3 * v, "c": c, "v": vr, "speedup": tau / (k * c + vr),
+            "spec_tok_s": tau / (k * d + v), "comm_share_spec": (k * d_comm + v_comm) / (k * d + v)}
+
+
+def membw_reference(threads: int) -> float:
+    """This machine's read bandwidth (GB/s) by bench.membw's native probe, best of 3 passes."""
+    from qspec import _C
+
+    p = _C.ReadProbe(8 * llc_bytes(), threads)
+    return p.nbytes / min(p.run(3)) / 1e9
+
+
+def run_projection(args, writer: JsonWriter) -> list[dict]:
+    command_bytes = COMMAND_BYTES[-1]
+    measured = getattr(args, "measured", None)
+    if args.intra_latency_us is None and measured is None:
+        print("\n## loopback latencies for the projection (2 ranks, the sizes it needs)", flush=True)
+        cases = [{"op": "reduce", "m": m, "d": d, "bytes": m * d * F32} for m in (1, args.k + 1)
+                 for d in sorted({s.hidden for s in SHAPES})]
+        cases += [{"op": "gather", "m": m, "vocab": v, "bytes": m * (-(-v // 2)) * F32} for m in (1, args.k + 1)
+                  for v in sorted({s.vocab for s in SHAPES})]
+        measured, _ = measure(2, cases + [{"op": "command", "bytes": command_bytes}], args.reps)
+        print(fmt_table(measured, ["op", "bytes", "median_us", "p10_us", "p90_us"]), flush=True)
+    links = Links(measured, args.intra_latency_us, args.net_latency_us, args.net_gbps)
+    intra = (f"{args.intra_latency_us:g} us per collective" if args.intra_latency_us is not None
+             else "the loopback gloo latency measured above for each size (2 ranks on this machine)")
+    here = membw_reference(args.threads)
+    print(f"\n## PROJECTION (a paper model, not a measurement; assumptions in `qspec bench tp --help`)\n"
+          f"# per socket {args.socket_gbs:g} GB/s (this machine, bench.membw read probe, {args.threads} threads: "
+          f"{here:.1f} GB/s, for reference only); between sockets: {intra}; between hosts "
+          f"{args.net_latency_us:g} us + bytes at {args.net_gbps:g} Gb/s\n"
+          f"# weights BF16 target, MXFP4 draft {args.draft_bits:g} bits (LM head included); KV cache at "
+          f"{args.context} positions; compute ignored (a verify of {args.k + 1} rows streams the weights once); "
+          f"K = {args.k}, tau = {args.tau:g}; speedup = tau / (K c + v) over plain decoding on the same ranks",
+          flush=True)
+    rows = [project(s, st, links, socket_gbs=args.socket_gbs, context=args.context, k=args.k, tau=args.tau,
+                    draft_bits=args.draft_bits, command_bytes=command_bytes) for s in SHAPES for st in SETUPS]
+    for r in rows:
+        writer.write({"section": "projection", **r, "socket_gbs": args.socket_gbs, "membw_here_gbps": here,
+                      "intra_latency_us": args.intra_latency_us, "net_latency_us": args.net_latency_us,
+                      "net_gbps": args.net_gbps, "context": args.context, "k": args.k, "tau": args.tau})
+    table = [{"kind": "projection", **r} for r in rows]
+    print(fmt_table(table, ["kind", "model", "setup", "tp", "gb_per_rank", "mem_ms", "comm_ms", "step_ms",
+                            "plain_tok_s", "c", "v", "speedup", "spec_tok_s", "comm_share_spec"]), flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------- main
+SECTIONS = {"collectives": run_collectives, "projection": run_projection}
+
+
+def _what(s: str) -> list[str]:
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in names if x not in SECTIONS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{s!r}: sections are {', '.join(SECTIONS)} (comma list)")
+    return [x for x in SECTIONS if x in names]  # in SECTIONS order: collectives feed the projection
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="qspec bench tp", parents=[parent_parser()], description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--what", type=_what, default=_what("collectives,projection"),
+                   help=f"sections, comma list of {', '.join(SECTIONS)} (default: collectives,projection)")
+    p.add_argument("--world", type=int, default=2, help="ranks of the collectives section (default 2)")
+    p.add_argument("--reps", type=int, default=200, help="timed repetitions per collective (default 200)")
+    p.add_argument("--intra-latency-us", type=float, default=None,
+                   help="projection: a collective between sockets costs this (default: measured by size)")
+    p.add_argument("--net-latency-us", type=float, default=25.0, help="projection: between hosts (default 25)")
+    p.add_argument("--net-gbps", type=float, default=100.0, help="projection: NIC Gb/s per host (default 100)")
+    p.add_argument("--socket-gbs", type=float, default=250.0,
+                   help="projection: memory GB/s per socket (default 250: 8-channel DDR5-4800 at ~80%%)")
+    p.add_argument("--context", type=int, default=1024, help="projection: KV cache positions (default 1024)")
+    p.add_argument("--k", type=int, default=8, help="projection: draft tokens per step (default 8)")
+    p.add_argument("--tau", type=float, default=6.4, help="projection: tokens per verify step (default 6.4)")
+    p.add_argument("--draft-bits", type=float, default=4.25, help="projection: draft bits per weight (default 4.25)")
+    args = p.parse_args(argv)
+    for name, low in (("world", 2), ("reps", 10), ("k", 1), ("context", 0)):
+        if getattr(args, name) < low:
+            p.error(f"--{name} must be >= {low}")
+    for name in ("net_latency_us", "net_gbps", "socket_gbs", "tau", "draft_bits"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.intra_latency_us is not None and args.intra_latency_us < 0:
+        p.error("--intra-latency-us must be >= 0")
+    setup(args)
+    ctx = print_header(args, "bench.tp: tensor-parallel collectives on loopback gloo, and a projection")
+    with JsonWriter(args.json, ctx) as writer:
+        for name in args.what:
+            SECTIONS[name](args, writer)
+
+
+if __name__ == "__main__":
+    main()
