@@ -23,8 +23,9 @@ projection   A PROJECTION, not a measurement: decode step time and tok/s of Llam
                one plain step's bytes;
              - per forward: 2 x layers row reductions of [m, hidden], 1 logits gather of
                [m, vocab/TP] to rank 0, 1 command; between sockets of a host each costs the
-               loopback latency measured for its size (collectives at W = 2, measured now if
-               not in --what), or --intra-latency-us;
+               loopback latency measured for its size (a Theil-Sen line a + b * bytes through
+               the medians of the collectives section at W = 2, measured now if that section
+               does not run), or --intra-latency-us;
              - between hosts each adds --net-latency-us (default 25) plus its bytes through one
                host's NIC at --net-gbps (default 100 Gb/s): a reduction sends every rank's
                partial to each rank of the other hosts, the gather brings the remote hosts'
@@ -263,26 +264,31 @@ SETUPS = (Setup("1 socket", 1, 1), Setup("2 sockets", 1, 2), Setup("2 hosts", 2,
 
 
 class Links:
-    """What a collective costs. intra(op, nbytes): between the sockets of one host, from measured
-    rows (piecewise linear in bytes, linear beyond the ends) or a constant; net_s + bytes/net_Bps
-    between hosts."""
+    """What a collective costs. intra(op, nbytes): between the sockets of one host, a constant
+    (--intra-latency-us) or a line a + b * bytes through the medians measured for that op
+    (Theil-Sen: the median of the pairwise slopes, b >= 0, then the median intercept, so a few
+    reps disturbed by other load do not bend it); between hosts net_s + bytes / net_Bps more."""
 
     def __init__(self, measured: list[dict] | None, intra_us: float | None, net_us: float, net_gbps: float):
         self.net_s, self.net_Bps = net_us * 1e-6, net_gbps * 1e9 / 8
         self.const = None if intra_us is None else intra_us * 1e-6
-        self.points = {}
+        points: dict = {}
         for r in measured or []:
-            self.points.setdefault(r["op"], {})[r["bytes"]] = r["median_us"] * 1e-6
+            points.setdefault(r["op"], []).append((r["bytes"], r["median_us"] * 1e-6))
+        self.lines = {op: theil_sen(pts) for op, pts in points.items()}
 
     def intra(self, op: str, nbytes: float) -> float:
         if self.const is not None:
             return self.const
-        pts = sorted(self.points[op].items())
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        if len(xs) == 1 or xs[0] <= nbytes <= xs[-1]:
-            return float(np.interp(nbytes, xs, ys))
-        i = 0 if nbytes < xs[0] else len(xs) - 2
-        return max(0.0, ys[i] + (ys[i + 1] - ys[i]) * (nbytes - xs[i]) / (xs[i + 1] - xs[i]))
+        a, b = self.lines[op]
+        return max(0.0, a + b * nbytes)
+
+
+def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the Theil-Sen line through (x, y) points."""
+    slopes = [(y1 - y0) / (x1 - x0) for i, (x0, y0) in enumerate(points) for x1, y1 in points[i + 1:] if x1 != x0]
+    b = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return statistics.median(y - b * x for x, y in points), b
 
 
 def comm_s(shape: Shape, setup: Setup, m: int, links: Links, command_bytes: int) -> float:
@@ -346,7 +352,8 @@ def run_projection(args, writer: JsonWriter) -> list[dict]:
         print(fmt_table(measured, ["op", "bytes", "median_us", "p10_us", "p90_us"]), flush=True)
     links = Links(measured, args.intra_latency_us, args.net_latency_us, args.net_gbps)
     intra = (f"{args.intra_latency_us:g} us per collective" if args.intra_latency_us is not None
-             else "the loopback gloo latency measured above for each size (2 ranks on this machine)")
+             else "a + b * bytes through the loopback gloo medians measured above (2 ranks on this machine): "
+             + ", ".join(f"{op} {a * 1e6:.0f} us + {b * 1e12:.0f} us/MB" for op, (a, b) in links.lines.items()))
     here = membw_reference(args.threads)
     print(f"\n## PROJECTION (a paper model, not a measurement; assumptions in `qspec bench tp --help`)\n"
           f"# per socket {args.socket_gbs:g} GB/s (this machine, bench.membw read probe, {args.threads} threads: "

@@ -52,15 +52,17 @@ def test_projection_sockets_and_hosts_by_hand():
     assert hosts["verify_ms"] == pytest.approx(124 + 2 * 194 + 98 + 2)
 
 
-def test_links_interpolate_measured_latencies():
-    rows = [{"op": "reduce", "bytes": 100, "median_us": 10.0}, {"op": "reduce", "bytes": 200, "median_us": 20.0},
-            {"op": "command", "bytes": 64, "median_us": 5.0}]
+def test_links_fit_a_line_through_measured_latencies():
+    rows = [{"op": "reduce", "bytes": 100 * i, "median_us": 10.0 * i + 3} for i in range(1, 6)]
+    rows[3]["median_us"] = 4000  # one size disturbed by other load: the line ignores it
+    rows += [{"op": "command", "bytes": 64, "median_us": 5.0}, {"op": "command", "bytes": 256, "median_us": 4.0}]
     lk = tp.Links(rows, None, 25, 100)
-    assert lk.intra("reduce", 150) == pytest.approx(15e-6)
-    assert lk.intra("reduce", 400) == pytest.approx(40e-6)  # linear beyond the ends
-    assert lk.intra("reduce", 0) == 0.0
-    assert lk.intra("command", 256) == pytest.approx(5e-6)  # one point: constant
+    assert lk.lines["reduce"] == pytest.approx((3e-6, 0.1e-6))
+    assert lk.intra("reduce", 150) == pytest.approx(18e-6)
+    assert lk.intra("reduce", 1000) == pytest.approx(103e-6)
+    assert lk.intra("command", 64) == pytest.approx(4.5e-6)  # falling with size: slope 0, median
     assert tp.Links(rows, 7.0, 25, 100).intra("reduce", 1e9) == pytest.approx(7e-6)  # --intra-latency-us wins
+    assert tp.theil_sen([(10, 2.0)]) == (2.0, 0.0)
 
 
 def test_projection_section_with_given_latency(tmp_path, capsys):
