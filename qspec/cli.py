@@ -381,7 +381,7 @@ def _spawn_ranks(a: argparse.Namespace, argv: list[str]) -> None:
     if world > 1:
         from .parallel.launch import spawn
 
-        spawn(world, argv)
+        spawn(world, [sys.executable, "-m", "qspec", *argv])
 
 
 if __name__ == "__main__":

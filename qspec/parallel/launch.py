@@ -106,17 +106,21 @@ def load_tensor_parallel(prepare, make_backend, make_engine, threads: int | None
     try:
         try:
             plan = prepare()
+            shards = [Shard.plan(plan.cfg, r, comm.world) for r in range(comm.world)]
             mine: dict | str = identity(plan.model_dir, plan.cfg, plan.chain, plan.spec)
-        except QspecError as e:
+        except (QspecError, ValueError) as e:
             plan, mine = None, str(e)
         agree(comm, mine)
         cfg = plan.cfg
-        shards = [Shard.plan(cfg, r, comm.world) for r in range(comm.world)]
-        comm.open_shm(cfg.hidden_size, max(s.vocab_rows for s in shards), 2 * cfg.max_seq_len + 64)
+        try:
+            comm.open_shm(cfg.hidden_size, max(s.vocab_rows for s in shards), 2 * cfg.max_seq_len + 64)
+        except TensorParallelError as e:  # the same on every rank: rank 0 reports it
+            e.quiet = comm.rank != 0
+            raise
         try:
             backend = make_backend(plan, shards[comm.rank])
             status: dict | str = {}
-        except QspecError as e:
+        except (QspecError, ValueError) as e:
             backend, status = None, str(e)
         agree(comm, status)
     except BaseException:
@@ -139,9 +143,10 @@ def finish(code: int) -> None:
         _active.stop(code)
 
 
-def spawn(world: int, argv: list[str]) -> None:
+def spawn(world: int, command: list[str]) -> None:
     """`qspec ... --tp N` on one host: this process becomes rank 0 of `world`, and starts ranks
-    1.. as `python -m qspec ARGV` (same arguments; their stdout discarded, stderr shared). A rank
+    1.. as `command` (`python -m qspec` with the same arguments; their stdout discarded, stderr
+    shared). A rank
     that exits with an error before the group is up ends this process too, with one line, rather
     than leaving it to wait for the connect timeout."""
     with socket.socket() as s:
@@ -152,7 +157,7 @@ def spawn(world: int, argv: list[str]) -> None:
     procs = []
     for r in range(1, world):
         env = {**os.environ, **common, "RANK": str(r), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "qspec", *argv], env=env,
+        procs.append(subprocess.Popen(command, env=env,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
     os.environ.update(common, RANK="0", LOCAL_RANK="0")
 
