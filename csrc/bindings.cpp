@@ -75,4 +75,5 @@ PYBIND11_MODULE(_C, m) {
   bind_attention(m);
   bind_model(m);
   bind_membw(m);
+  bind_shm_group(m);
 }

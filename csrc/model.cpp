@@ -25,6 +25,7 @@
 #include "model_ops.h"
 #include "pool.h"
 #include "profile.h"
+#include "shm_group.h"
 
 namespace py = pybind11;
 
@@ -169,9 +170,13 @@ class Model {
   // slice, its LM-head rows) and `reducer` is called, with the GIL, on the [m, hidden] partial sums
   // of the row-parallel O and down projections; it replaces them in place by the sum over ranks.
   // None: one process, nothing is called.
-  void set_reducer(py::object reducer) { reducer_ = std::move(reducer); }
+  void set_reducer(py::object reducer) {
+    shm_ = py::isinstance<ShmGroup>(reducer) ? reducer.cast<std::shared_ptr<ShmGroup>>() : nullptr;
+    reducer_ = shm_ ? py::none() : std::move(reducer);
+  }
 
   void reduce(float* x, int64_t m) {
+    if (shm_) return shm_->reduce(x, m * d_);  // ranks on one host: no GIL, no Python
     if (reducer_.is_none()) return;
     py::gil_scoped_acquire gil;
     auto base = py::capsule(x, [](void*) {});  // a view: the buffer outlives the call
@@ -324,6 +329,7 @@ class Model {
   std::vector<float> norm_;
   int64_t d_ = 0, f_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, hd_ = 0, vocab_ = 0, lm_rows_ = 0;
   py::object reducer_ = py::none();
+  std::shared_ptr<ShmGroup> shm_;
   float eps_ = 1e-5f;
   WeightSet sets_[kWeightSets];
   std::vector<std::vector<float>> attn_norm_, mlp_norm_, bqkv_;
@@ -360,7 +366,8 @@ void bind_model(py::module_& m) {
       .def("has_set", &Model::has_set, py::arg("set"))
       .def("set_reducer", &Model::set_reducer, py::arg("reducer"),
            "reducer(x): called with the GIL on the [m, hidden] float32 partial sums of the O and down "
-           "projections, replaces them in place by the sum over tensor-parallel ranks; None: off")
+           "projections, replaces them in place by the sum over tensor-parallel ranks; a ShmGroup: its "
+           "reduce() is called directly; None: off")
       .def_property_readonly("rope_positions", &Model::rope_positions)
       .def("profile", [](const Model& self) {
         const auto& p = self.profile();

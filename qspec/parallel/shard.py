@@ -25,8 +25,10 @@ ROW_BLOCK = 16    # packed BF16 weights come in blocks of 16 rows (csrc/gemm.h)
 
 
 def _split(n: int, parts: int, align: int, i: int) -> tuple[int, int]:
-    """Part i of [0, n) cut into `parts` contiguous pieces starting at multiples of `align`, as
-    even as that allows (the last one may be shorter)."""
+    """Part i of [0, n) cut into `parts` contiguous pieces starting at multiples of `align` (of 1
+    when n is too small for that), as even as that allows (the last one may be shorter)."""
+    if n < parts * align:
+        align = 1
     step = -(-n // (parts * align)) * align
     return min(i * step, n), min((i + 1) * step, n)
 
