@@ -53,12 +53,13 @@ from datetime import timedelta
 import numpy as np
 
 from qspec.errors import TensorParallelError
+from qspec.parallel.comm import FORWARD, HEADER
 
-from .common import JsonWriter, fmt_table, llc_bytes, parent_parser, print_header, setup
+from .common import JsonWriter, fmt_table, parent_parser, print_header, setup
 
 REDUCE_M, REDUCE_D = (1, 5, 9, 16), (576, 1536, 4096, 8192)
 GATHER_M, GATHER_VOCAB = (1, 9), (151936, 128256)
-COMMAND_BYTES = (64, 256)
+COMMAND_TOKENS = (1, 9)  # a decode step's command and a K = 8 verify's
 F32 = 4
 
 
@@ -69,84 +70,94 @@ def collective_cases(quick: bool, world: int) -> list[dict]:
     cases = [{"op": "reduce", "m": m, "d": d, "bytes": m * d * F32} for m in ms for d in ds]
     for v in GATHER_VOCAB[:1] if quick else GATHER_VOCAB:
         cases += [{"op": "gather", "m": m, "vocab": v, "bytes": m * (-(-v // world)) * F32} for m in GATHER_M]
-    return cases + [{"op": "command", "bytes": b} for b in COMMAND_BYTES]
+    return cases + [{"op": "command", "m": m, "bytes": (HEADER + m) * 8} for m in COMMAND_TOKENS]
 
 
-def _op(case: dict, rank: int, world: int):
-    """The timed callable of one case on this rank (hand-rolled on torch.distributed, the same
-    messages as the engine's collectives), and a check of its result to run once."""
-    import torch
-    import torch.distributed as dist
-
-    peers = [p for p in range(world) if p != rank]
-    n = case["bytes"] // F32
+def _op(case: dict, comm):
+    """This rank's timed call of one case through the engine's collectives (qspec.parallel.comm):
+    run() -> seconds (inputs refilled untimed), and a check of the last result."""
+    rank, world = comm.rank, comm.world
+    m = case["m"]
     if case["op"] == "reduce":
-        mine = torch.full((n,), float(rank + 1))
-        bufs = {p: torch.empty(n) for p in peers}
-        acc = np.empty(n, np.float32)
+        x = np.empty((m, case["d"]), np.float32)
+        reduce = comm.shm.reduce if comm.shm is not None else comm.reduce_rows  # the forward's reducer
 
         def run():
-            reqs = [dist.isend(mine, p) for p in peers] + [dist.irecv(bufs[p], p) for p in peers]
-            for r in reqs:
-                r.wait()
-            parts = [mine.numpy() if r == rank else bufs[r].numpy() for r in range(world)]
-            np.add(parts[0], parts[1], out=acc)
-            for p in parts[2:]:
-                np.add(acc, p, out=acc)
-        return run, lambda: bool((acc == world * (world + 1) / 2).all())
+            x.fill(rank + 1)
+            _sync(comm)
+            t0 = time.perf_counter()
+            reduce(x)
+            return time.perf_counter() - t0
+        return run, lambda: bool((x == world * (world + 1) / 2).all())
     if case["op"] == "gather":
-        local = torch.full((n,), float(rank + 1))
-        bufs = {p: torch.empty(n) for p in peers}
+        width = -(-case["vocab"] // world)
+        columns = [(r * width, min((r + 1) * width, case["vocab"])) for r in range(world)]
+        local = np.full((m, columns[rank][1] - columns[rank][0]), rank + 1, np.float32)
+        out = np.zeros((m, case["vocab"]), np.float32) if rank == 0 else None
 
         def run():
-            if rank:
-                dist.send(local, 0)
-            else:
-                for r in [dist.irecv(bufs[p], p) for p in peers]:
-                    r.wait()
-        return run, lambda: rank > 0 or all(bool((bufs[p] == p + 1).all()) for p in peers)
-    cmd = torch.full((case["bytes"],), 7 if rank == 0 else 0, dtype=torch.uint8)
-    return (lambda: dist.broadcast(cmd, 0)), lambda: bool((cmd == 7).all())
+            _sync(comm)
+            t0 = time.perf_counter()
+            comm.gather_logits(local, out, columns)
+            return time.perf_counter() - t0
+        return run, lambda: rank > 0 or all(bool((out[:, lo:hi] == r + 1).all()) for r, (lo, hi) in enumerate(columns))
+    tokens = np.arange(100, 100 + m, dtype=np.int64)
+    got = []
+
+    def run():  # a forward's command: position, rows, which weights; the token ids as payload
+        _sync(comm)
+        t0 = time.perf_counter()
+        if rank == 0:
+            comm.send(FORWARD, (512, m, 1), tokens)
+        else:
+            got[:] = [comm.receive()]
+        return time.perf_counter() - t0
+    return run, lambda: rank == 0 or (got[0][0] == FORWARD and got[0][1][:3] == [512, m, 1]
+                                      and list(got[0][2]) == list(tokens))
+
+
+def _sync(comm) -> None:
+    """The common start of a rep: a one-float reduction through the transport itself (a spin on
+    shared memory: the ranks leave it within microseconds), or gloo's barrier."""
+    if comm.shm is not None:
+        comm.shm.reduce(np.zeros(1, np.float32))
+    else:
+        comm._dist.barrier()
 
 
 def _rank_main(rank: int, spec: dict) -> None:
-    """One rank of the collectives run (a process of its own, MASTER_ADDR/MASTER_PORT set);
-    rank 0 writes the results as JSON to spec["out"]."""
+    """One rank of the collectives run (a process of its own: RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT and QSPEC_TP_TRANSPORT set); rank 0 writes the results as JSON to spec["out"]."""
     import torch
     import torch.distributed as dist
 
+    from qspec.parallel.comm import Comm
     from qspec.parallel.topology import apply, place
 
-    world, reps, warmup = spec["world"], spec["reps"], spec["warmup"]
+    world, reps, warmup, cases = spec["world"], spec["reps"], spec["warmup"], spec["cases"]
     placement = place(rank, world)
     apply(placement)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    comm = Comm()
     try:
+        width = max([-(-c["vocab"] // world) for c in cases if c["op"] == "gather"] or [1])
+        transport = comm.open_shm(max([c.get("d", 1) for c in cases]), width, max(COMMAND_TOKENS))
         results = []
-        for case in spec["cases"]:
-            run, check = _op(case, rank, world)
+        for case in cases:
+            run, check = _op(case, comm)
             for _ in range(warmup):
-                dist.barrier()
                 run()
             if not check():
                 raise RuntimeError(f"rank {rank}: wrong result of {case}")
-            ts = []
-            for _ in range(reps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                run()
-                ts.append(time.perf_counter() - t0)
-            every = [None] * world
-            dist.all_gather_object(every, ts)
+            ts = [run() for _ in range(reps)]
+            every = comm.exchange(ts)
             results.append({**case, "slowest": [max(t) for t in zip(*every)], "rank0": ts})
-        placements = [None] * world
-        dist.all_gather_object(placements, [placement.cpus, placement.pin])
+        placements = comm.exchange([placement.cpus, placement.pin])
         if rank == 0:
             with open(spec["out"], "w") as f:
-                json.dump({"results": results, "placements": placements}, f)
+                json.dump({"results": results, "placements": placements, "transport": transport}, f)
     finally:
-        dist.destroy_process_group()
+        comm.close()
 
 
 def _free_port() -> int:
@@ -158,7 +169,8 @@ def _free_port() -> int:
 def _spawn(world: int, spec: dict, tmp: str) -> None:
     """Run _rank_main in `world` processes on loopback; TensorParallelError (with the failing rank's
     last stderr line) if one fails or all have not finished in time; the others are ended."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), QSPEC_TP_TRANSPORT=spec["transport"])
     module = __spec__.name if __spec__ else __name__
     code = f"import json, sys; from {module} import _rank_main; _rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))"
     logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+") for r in range(world)]
@@ -190,33 +202,42 @@ def _spawn(world: int, spec: dict, tmp: str) -> None:
             f.close()
 
 
-def measure(world: int, cases: list[dict], reps: int, warmup: int = 20) -> tuple[list[dict], list]:
-    """Spawn `world` ranks on loopback gloo and time `cases`; one row per case (microseconds:
-    median, p10, p90 of the slowest rank per rep, rank 0's median) and the ranks' placements."""
+def measure(world: int, cases: list[dict], reps: int, transport: str = "shm", warmup: int = 20) -> tuple[list[dict], dict]:
+    """Spawn `world` ranks on loopback with QSPEC_TP_TRANSPORT=transport and time `cases`; one
+    row per case (microseconds: median, p10, p90 of the slowest rank per rep, rank 0's median)
+    and {"placements": [[cpus, pinned] by rank], "transport": what the ranks used}."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tp.json")
-        _spawn(world, {"world": world, "cases": cases, "reps": reps, "warmup": warmup, "out": path}, tmp)
+        spec = {"world": world, "cases": cases, "reps": reps, "warmup": warmup, "out": path, "transport": transport}
+        _spawn(world, spec, tmp)
         with open(path) as f:
             got = json.load(f)
     rows = []
     for r in got["results"]:
         q = statistics.quantiles(r.pop("slowest"), n=10, method="inclusive")
-        rows.append({**r, "median_us": 1e6 * q[4], "p10_us": 1e6 * q[0], "p90_us": 1e6 * q[8],
-                     "rank0_median_us": 1e6 * statistics.median(r.pop("rank0")), "world": world, "reps": reps})
-    return rows, got["placements"]
+        rows.append({**r, "transport": got["transport"], "median_us": 1e6 * q[4], "p10_us": 1e6 * q[0],
+                     "p90_us": 1e6 * q[8], "rank0_median_us": 1e6 * statistics.median(r.pop("rank0")),
+                     "world": world, "reps": reps})
+    return rows, {"placements": got["placements"], "transport": got["transport"]}
 
 
 def run_collectives(args, writer: JsonWriter) -> list[dict]:
-    print(f"\n## collectives: {args.world} ranks on loopback gloo, 1 thread each; per case {args.reps} reps "
-          "after 20 warm-up; each rep from an untimed barrier to the op's end on its slowest rank", flush=True)
-    rows, placements = measure(args.world, collective_cases(args.quick, args.world), args.reps)
-    print("# placements (cpus, pinned) by rank: " + ", ".join(f"{c} {'pinned' if p else 'unpinned'}"
-                                                             for c, p in placements))
+    print(f"\n## collectives: {args.world} ranks on loopback, 1 thread each, through qspec.parallel.comm "
+          f"(transports: {', '.join(args.transports)}); per case {args.reps} reps after 20 warm-up, each from a "
+          "common start (shm: a one-float reduction; gloo: a barrier) to the op's end on its slowest rank; "
+          "reductions called from Python (the forward calls the shm group from C++)", flush=True)
+    rows = []
+    for transport in args.transports:
+        got, info = measure(args.world, collective_cases(args.quick, args.world), args.reps, transport)
+        print(f"# {transport}: the ranks used {info['transport']}; placements (cpus, pinned) by rank: "
+              + ", ".join(f"{c} {'pinned' if p else 'unpinned'}" for c, p in info["placements"]), flush=True)
+        rows += got
     for r in rows:
         writer.write({"section": "collectives", **r})
-    table = [{**r, "size": f"[{r['m']}, {r.get('d') or -(-r['vocab'] // args.world)}]" if "m" in r else "-"}
-             for r in rows]
-    print(fmt_table(table, ["op", "size", "bytes", "median_us", "p10_us", "p90_us", "rank0_median_us"]), flush=True)
+    table = [{**r, "size": f"[{r['m']}, {r.get('d') or -(-r['vocab'] // args.world)}]" if "d" in r or "vocab" in r
+              else f"{r['m']} tokens"} for r in rows]
+    print(fmt_table(table, ["transport", "op", "size", "bytes", "median_us", "p10_us", "p90_us", "rank0_median_us"]),
+          flush=True)
     if args.world == 2:
         args.measured = rows
     return rows
@@ -265,16 +286,20 @@ SETUPS = (Setup("1 socket", 1, 1), Setup("2 sockets", 1, 2), Setup("2 hosts", 2,
 
 class Links:
     """What a collective costs. intra(op, nbytes): between the sockets of one host, a constant
-    (--intra-latency-us) or a line a + b * bytes through the medians measured for that op
-    (Theil-Sen: the median of the pairwise slopes, b >= 0, then the median intercept, so a few
-    reps disturbed by other load do not bend it); between hosts net_s + bytes / net_Bps more."""
+    (--intra-latency-us) or a line a + b * bytes through the medians measured for that op with
+    the shared-memory transport (gloo's when shm was not measured), fitted by Theil-Sen (the
+    median of the pairwise slopes, b >= 0, then the median intercept: a few sizes disturbed by
+    other load do not bend it); between hosts net_s + bytes / net_Bps more."""
 
     def __init__(self, measured: list[dict] | None, intra_us: float | None, net_us: float, net_gbps: float):
         self.net_s, self.net_Bps = net_us * 1e-6, net_gbps * 1e9 / 8
         self.const = None if intra_us is None else intra_us * 1e-6
+        rows = measured or []
+        self.transport = "shm" if any(r["transport"] == "shm" for r in rows) else "gloo"
         points: dict = {}
-        for r in measured or []:
-            points.setdefault(r["op"], []).append((r["bytes"], r["median_us"] * 1e-6))
+        for r in rows:
+            if r["transport"] == self.transport:
+                points.setdefault(r["op"], []).append((r["bytes"], r["median_us"] * 1e-6))
         self.lines = {op: theil_sen(pts) for op, pts in points.items()}
 
     def intra(self, op: str, nbytes: float) -> float:
@@ -332,32 +357,34 @@ def project(shape: Shape, setup: Setup, links: Links, *, socket_gbs: float, cont
 
 
 def membw_reference(threads: int) -> float:
-    """This machine's read bandwidth (GB/s) by bench.membw's native probe, best of 3 passes."""
+    """This machine's read bandwidth (GB/s) by bench.membw's native probe (its default 512 MiB
+    buffer), best of 3 passes."""
     from qspec import _C
 
-    p = _C.ReadProbe(8 * llc_bytes(), threads)
+    p = _C.ReadProbe(512 << 20, threads)
     return p.nbytes / min(p.run(3)) / 1e9
 
 
 def run_projection(args, writer: JsonWriter) -> list[dict]:
-    command_bytes = COMMAND_BYTES[-1]
+    command_bytes = (HEADER + COMMAND_TOKENS[-1]) * 8
     measured = getattr(args, "measured", None)
     if args.intra_latency_us is None and measured is None:
-        print("\n## loopback latencies for the projection (2 ranks, the sizes it needs)", flush=True)
+        print("\n## shared-memory latencies for the projection (2 ranks, the sizes it needs)", flush=True)
         cases = [{"op": "reduce", "m": m, "d": d, "bytes": m * d * F32} for m in (1, args.k + 1)
                  for d in sorted({s.hidden for s in SHAPES})]
         cases += [{"op": "gather", "m": m, "vocab": v, "bytes": m * (-(-v // 2)) * F32} for m in (1, args.k + 1)
                   for v in sorted({s.vocab for s in SHAPES})]
-        measured, _ = measure(2, cases + [{"op": "command", "bytes": command_bytes}], args.reps)
-        print(fmt_table(measured, ["op", "bytes", "median_us", "p10_us", "p90_us"]), flush=True)
+        cases += [{"op": "command", "m": m, "bytes": (HEADER + m) * 8} for m in COMMAND_TOKENS]
+        measured, _ = measure(2, cases, args.reps, "shm")
+        print(fmt_table(measured, ["transport", "op", "bytes", "median_us", "p10_us", "p90_us"]), flush=True)
     links = Links(measured, args.intra_latency_us, args.net_latency_us, args.net_gbps)
     intra = (f"{args.intra_latency_us:g} us per collective" if args.intra_latency_us is not None
-             else "a + b * bytes through the loopback gloo medians measured above (2 ranks on this machine): "
-             + ", ".join(f"{op} {a * 1e6:.0f} us + {b * 1e12:.0f} us/MB" for op, (a, b) in links.lines.items()))
+             else f"a + b * bytes through the {links.transport} medians measured above (2 ranks on this machine): "
+             + ", ".join(f"{op} {a * 1e6:.1f} us + {b * 1e12:.0f} us/MB" for op, (a, b) in links.lines.items()))
     here = membw_reference(args.threads)
     print(f"\n## PROJECTION (a paper model, not a measurement; assumptions in `qspec bench tp --help`)\n"
           f"# per socket {args.socket_gbs:g} GB/s (this machine, bench.membw read probe, {args.threads} threads: "
-          f"{here:.1f} GB/s, for reference only); between sockets: {intra}; between hosts "
+          f"{here:.1f} GB/s, for reference only); between sockets: {intra}; between hosts that plus "
           f"{args.net_latency_us:g} us + bytes at {args.net_gbps:g} Gb/s\n"
           f"# weights BF16 target, MXFP4 draft {args.draft_bits:g} bits (LM head included); KV cache at "
           f"{args.context} positions; compute ignored (a verify of {args.k + 1} rows streams the weights once); "
@@ -387,12 +414,21 @@ def _what(s: str) -> list[str]:
     return [x for x in SECTIONS if x in names]  # in SECTIONS order: collectives feed the projection
 
 
+def _transports(s: str) -> list[str]:
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if not names or any(x not in ("shm", "gloo") for x in names):
+        raise argparse.ArgumentTypeError(f"{s!r}: transports are shm and gloo (comma list)")
+    return sorted(set(names), key=names.index)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="qspec bench tp", parents=[parent_parser()], description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", type=_what, default=_what("collectives,projection"),
                    help=f"sections, comma list of {', '.join(SECTIONS)} (default: collectives,projection)")
     p.add_argument("--world", type=int, default=2, help="ranks of the collectives section (default 2)")
+    p.add_argument("--transport", dest="transports", type=_transports, default=["shm", "gloo"],
+                   help="transports of the collectives section, comma list of shm, gloo (default: both)")
     p.add_argument("--reps", type=int, default=200, help="timed repetitions per collective (default 200)")
     p.add_argument("--intra-latency-us", type=float, default=None,
                    help="projection: a collective between sockets costs this (default: measured by size)")

@@ -56,13 +56,16 @@ def test_links_fit_a_line_through_measured_latencies():
     rows = [{"op": "reduce", "bytes": 100 * i, "median_us": 10.0 * i + 3} for i in range(1, 6)]
     rows[3]["median_us"] = 4000  # one size disturbed by other load: the line ignores it
     rows += [{"op": "command", "bytes": 64, "median_us": 5.0}, {"op": "command", "bytes": 256, "median_us": 4.0}]
-    lk = tp.Links(rows, None, 25, 100)
+    rows = [{**r, "transport": "shm"} for r in rows]
+    gloo = [{"op": "reduce", "bytes": 100, "median_us": 500.0, "transport": "gloo"}]
+    lk = tp.Links(rows + gloo, None, 25, 100)  # shared memory where measured
     assert lk.lines["reduce"] == pytest.approx((3e-6, 0.1e-6))
     assert lk.intra("reduce", 150) == pytest.approx(18e-6)
     assert lk.intra("reduce", 1000) == pytest.approx(103e-6)
     assert lk.intra("command", 64) == pytest.approx(4.5e-6)  # falling with size: slope 0, median
     assert tp.Links(rows, 7.0, 25, 100).intra("reduce", 1e9) == pytest.approx(7e-6)  # --intra-latency-us wins
     assert tp.theil_sen([(10, 2.0)]) == (2.0, 0.0)
+    assert tp.Links(gloo, None, 25, 100).intra("reduce", 1) == pytest.approx(500e-6)  # else gloo
 
 
 def test_projection_section_with_given_latency(tmp_path, capsys):
@@ -79,7 +82,8 @@ def test_projection_section_with_given_latency(tmp_path, capsys):
 
 
 def test_bad_options(capsys):
-    for argv in (["--what", "collectives,e2f"], ["--world", "1"], ["--net-gbps", "0"], ["--reps", "3"]):
+    for argv in (["--what", "collectives,e2f"], ["--world", "1"], ["--net-gbps", "0"], ["--reps", "3"],
+                 ["--transport", "tcp"]):
         with pytest.raises(SystemExit) as e:
             tp.main(argv)
         assert e.value.code == 2
@@ -87,17 +91,17 @@ def test_bad_options(capsys):
 
 def test_a_failing_rank_is_one_clear_error():
     with pytest.raises(TensorParallelError, match="rank 0 of the collectives run failed: .*"):
-        tp.measure(2, [{"op": "reduce", "m": 1, "d": 1, "bytes": -4}], reps=10, warmup=1)
+        tp.measure(2, [{"op": "gather", "m": -1, "vocab": 8, "bytes": 4}], reps=10, warmup=1)
 
 
 def test_bench_tp_collectives_quick(tmp_path):
     out = tmp_path / "tp.jsonl"
     assert cli(["bench", "tp", "--what", "collectives", "--quick", "--world", "2", "--json", str(out)]) in (0, None)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["op"] for r in rows] == ["reduce"] * 4 + ["gather"] * 2 + ["command"] * 2
+    ops = ["reduce"] * 4 + ["gather"] * 2 + ["command"] * 2
+    assert [(r["transport"], r["op"]) for r in rows] == [("shm", op) for op in ops] + [("gloo", op) for op in ops]
     for r in rows:
         assert r["section"] == "collectives" and r["world"] == 2 and r["reps"] == 200
         assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] < 1e6, r
         assert r["rank0_median_us"] > 0 and "commit" in r
-    gather = [r for r in rows if r["op"] == "gather"]
-    assert [r["bytes"] for r in gather] == [1 * 75968 * 4, 9 * 75968 * 4]
+    assert [r["bytes"] for r in rows[4:8]] == [1 * 75968 * 4, 9 * 75968 * 4, 9 * 8, 17 * 8]  # logits, commands
