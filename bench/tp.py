@@ -1,17 +1,22 @@
 """Tensor parallelism: what its collectives cost here, and a paper model of sockets and hosts:
-`qspec bench tp [--what collectives,projection] [--world N] [--reps N] [--quick] [--json PATH]
-[projection options]` (or `python -m bench.tp ...` from a development install).
+`qspec bench tp [--what collectives,projection] [--world N] [--transport shm,gloo] [--reps N]
+[--quick] [--json PATH] [projection options]` (or `python -m bench.tp ...` from a development
+install).
 
 collectives  W local ranks (--world, default 2; one thread each, placed by
-             qspec.parallel.topology) on loopback gloo time the collectives a TP forward runs,
-             each rep from a common start (an untimed barrier) to the end of the op on its slowest
-             rank; median / p10 / p90 of --reps (default 200) after a warm-up:
-               reduce   the ordered row reduction after a row-parallel layer: every rank sends its
-                        [m, d] float32 partial to every other rank, receives theirs and adds all
-                        of them in rank order (m in 1, 5, 9, 16; d in 576, 1536, 4096, 8192)
-               gather   the logits gather: each follower sends [m, vocab/W] float32 to rank 0
+             qspec.parallel.topology) on loopback time the collectives a TP forward runs, through
+             the engine's own qspec.parallel.comm.Comm, once per transport (--transport: shm, the
+             shared-memory group ranks on one host use, and gloo, what runs between hosts).
+             Each rep runs from a common start (shm: a one-float reduction; gloo: a barrier; both
+             untimed) to the end of the op on its slowest rank; median / p10 / p90 of --reps
+             (default 200) after 20 warm-up reps:
+               reduce   the ordered row reduction after a row-parallel layer (every rank gets the
+                        others' [m, d] float32 partials and adds all of them in rank order;
+                        m in 1, 5, 9, 16; d in 576, 1536, 4096, 8192), called from Python (the
+                        forward calls the shm group from C++: ~1 us less)
+               gather   the logits gather of [m, vocab/W] float32 slices to rank 0
                         (vocab 151936 and 128256; m in 1, 9)
-               command  rank 0's per-forward command broadcast (64 and 256 bytes)
+               command  rank 0's FORWARD command to the followers with 1 or 9 token ids
 projection   A PROJECTION, not a measurement: decode step time and tok/s of Llama-3.1-8B and
              -70B shapes on 1 socket, 2 sockets (TP 2) and 2 or 4 hosts of 2 sockets (TP 4, 8).
              Assumptions (printed with the table):
@@ -22,14 +27,16 @@ projection   A PROJECTION, not a measurement: decode step time and tok/s of Llam
                ~80%); compute and the embedding lookup are ignored, so a verify of K+1 rows costs
                one plain step's bytes;
              - per forward: 2 x layers row reductions of [m, hidden], 1 logits gather of
-               [m, vocab/TP] to rank 0, 1 command; between sockets of a host each costs the
-               loopback latency measured for its size (a Theil-Sen line a + b * bytes through
-               the medians of the collectives section at W = 2, measured now if that section
-               does not run), or --intra-latency-us;
+               [m, vocab/TP] to rank 0, 1 command; between sockets of a host each costs what
+               the shared-memory transport measured here for its size (a Theil-Sen line
+               a + b * bytes through the medians of the collectives section at W = 2, measured
+               now if that section does not run), or --intra-latency-us;
              - between hosts each adds --net-latency-us (default 25) plus its bytes through one
                host's NIC at --net-gbps (default 100 Gb/s): a reduction sends every rank's
                partial to each rank of the other hosts, the gather brings the remote hosts'
-               vocab slices to rank 0; network and intra-host parts are not overlapped;
+               vocab slices to rank 0; network and intra-host parts are not overlapped (this
+               models a transport that uses shared memory within a host; the engine today runs
+               all its collectives on gloo once the ranks span hosts);
              - speculative step: K (--k, 8) draft steps of one row with the MXFP4 weights, each
                with the same collectives, and a verify of K+1 rows; speedup over plain decoding
                on the same ranks = tau / (K c + v), tau = --tau (default 6.4: the measured MXFP4
