@@ -247,7 +247,28 @@ def run_collectives(args, writer: JsonWriter) -> list[dict]:
           flush=True)
     if args.world == 2:
         args.measured = rows
+    if args.plot:
+        plot(rows, args.plot, f"{args.world} ranks on loopback, 1 thread each")
     return rows
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Median (bars: p10..p90) microseconds against bytes, one line per transport and op."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in sorted({(r["transport"], r["op"]) for r in rows}):
+        pts = sorted((r for r in rows if (r["transport"], r["op"]) == key), key=lambda r: r["bytes"])
+        ax.errorbar([r["bytes"] for r in pts], [r["median_us"] for r in pts], fmt="o-", capsize=2, label=" ".join(key),
+                    yerr=[[r["median_us"] - r["p10_us"] for r in pts], [r["p90_us"] - r["median_us"] for r in pts]])
+    ax.set(xscale="log", yscale="log", xlabel="bytes per rank", ylabel="us (median, p10..p90)", title=title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 # ------------------------------------------------------------------------------- projection

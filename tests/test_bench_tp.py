@@ -96,7 +96,10 @@ def test_a_failing_rank_is_one_clear_error():
 
 def test_bench_tp_collectives_quick(tmp_path):
     out = tmp_path / "tp.jsonl"
-    assert cli(["bench", "tp", "--what", "collectives", "--quick", "--world", "2", "--json", str(out)]) in (0, None)
+    png = tmp_path / "tp.png"
+    assert cli(["bench", "tp", "--what", "collectives", "--quick", "--world", "2", "--json", str(out),
+                "--plot", str(png)]) in (0, None)
+    assert png.stat().st_size > 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     ops = ["reduce"] * 4 + ["gather"] * 2 + ["command"] * 2
     assert [(r["transport"], r["op"]) for r in rows] == [("shm", op) for op in ops] + [("gloo", op) for op in ops]
