@@ -80,6 +80,25 @@ def collective_cases(quick: bool, world: int) -> list[dict]:
     return cases + [{"op": "command", "m": m, "bytes": (HEADER + m) * 8} for m in COMMAND_TOKENS]
 
 
+PER_FORWARD = ("qwen2.5-coder-1.5b", 28, 1536, 151936)  # model, layers, hidden, vocab
+
+
+def per_forward(rows: list[dict]) -> list[dict]:
+    """Collective time of one forward of the PER_FORWARD model at m = 1 and 9 from the medians of
+    `rows`, per transport (where its sizes were measured)."""
+    model, layers, hidden, vocab = PER_FORWARD
+    med = {(r["transport"], r["op"], r["m"], r.get("d") or r.get("vocab")): r["median_us"] for r in rows}
+    out = []
+    for t in dict.fromkeys(r["transport"] for r in rows):
+        for m in (1, 9):
+            keys = [(t, "reduce", m, hidden), (t, "gather", m, vocab), (t, "command", m, None)]
+            if all(k in med for k in keys):
+                us = 2 * layers * med[keys[0]] + med[keys[1]] + med[keys[2]]
+                out.append({"op": "per_forward", "transport": t, "model": model, "layers": layers, "hidden": hidden,
+                            "m": m, "per_forward_us": us})
+    return out
+
+
 def _op(case: dict, comm):
     """This rank's timed call of one case through the engine's collectives (qspec.parallel.comm):
     run() -> seconds (inputs refilled untimed), and a check of the last result."""
@@ -245,6 +264,10 @@ def run_collectives(args, writer: JsonWriter) -> list[dict]:
               else f"{r['m']} tokens"} for r in rows]
     print(fmt_table(table, ["transport", "op", "size", "bytes", "median_us", "p10_us", "p90_us", "rank0_median_us"]),
           flush=True)
+    for r in per_forward(rows):
+        writer.write({"section": "collectives", **r})
+        print(f"# per forward of {r['model']} ({r['layers']} layers: {2 * r['layers']} reductions of [{r['m']}, "
+              f"{r['hidden']}], 1 logits gather, 1 command), {r['transport']}: {r['per_forward_us']:.0f} us")
     if args.world == 2:
         args.measured = rows
     if args.plot:

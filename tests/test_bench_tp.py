@@ -102,7 +102,14 @@ def test_bench_tp_collectives_quick(tmp_path):
     assert png.stat().st_size > 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     ops = ["reduce"] * 4 + ["gather"] * 2 + ["command"] * 2
-    assert [(r["transport"], r["op"]) for r in rows] == [("shm", op) for op in ops] + [("gloo", op) for op in ops]
+    assert [(r["transport"], r["op"]) for r in rows[:16]] == [("shm", op) for op in ops] + [("gloo", op) for op in ops]
+    fwd = rows[16:]
+    assert [(r["transport"], r["m"]) for r in fwd] == [("shm", 1), ("shm", 9), ("gloo", 1), ("gloo", 9)]
+    for r in fwd:  # 56 reductions of [m, 1536] + the gather of 151936 / 2 columns + the command
+        parts = [x["median_us"] for x in rows[:16] if x["transport"] == r["transport"] and x["m"] == r["m"]
+                 and x.get("d", 1536) == 1536]
+        assert r["per_forward_us"] == pytest.approx(56 * parts[0] + parts[1] + parts[2])
+    rows = rows[:16]
     for r in rows:
         assert r["section"] == "collectives" and r["world"] == 2 and r["reps"] == 200
         assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] < 1e6, r
