@@ -187,6 +187,26 @@ def test_tp_lossless_on_the_default_model(default_model_dir):
     assert all(r["equal"]), r
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_tp_lossless_on_real_models(model):
+    """2 ranks on the real models: greedy speculative (K = 4, auto) == greedy plain under TP on 12
+    dev prompts x 48 tokens; prints how often TP plain equals the one-process output."""
+    from qspec.fetch import resolve_model
+
+    try:
+        model_dir = resolve_model(model)
+    except qspec.QspecError as e:
+        pytest.skip(f"{model} is not fetched ({e}); qspec fetch {model}")
+    lines = (HERE.parent / "bench" / "prompts" / "dev.jsonl").read_text().splitlines()
+    prompts = [json.loads(x)["prompt"] for x in lines if x.strip()]
+    prompts = [prompts[i * len(prompts) // 12] for i in range(12)]
+    r = run_worker("greedy", model_dir, 2, timeout=3600, TP_PROMPTS=json.dumps(prompts), TP_NEW="48",
+                   TP_SINGLE="1", TP_DRAFT="mxfp4")
+    assert all(r["equal"]), r
+    print(f"{model}: TP plain == 1-process plain on {sum(r['agree_single'])} of {len(prompts)} prompts")
+
+
 # ------------------------------------------------------------------ bad set-ups and failures
 def _no_leftover_ranks(marker: str) -> None:
     time.sleep(0.5)
