@@ -217,7 +217,9 @@ int64_t ShmGroup::receive(std::vector<int64_t>& out) {
   const uint32_t want = uint32_t(cmd_step_ + 1), seen = uint32_t(cmd_step_);
   const auto t0 = Clock::now();
   for (unsigned i = 1; ctl_->command.load(std::memory_order_acquire) != want; ++i) {
-    if (since(t0) < 200e-6) {  // the next forward usually follows within microseconds
+    // the next forward follows within rank 0's controller step (~0.1-1 ms of Python): spin, as a
+    // futex wake-up costs tens of microseconds (more on a VM) and delays every forward by it
+    if (since(t0) < 2e-3) {
       cpu_relax();
       continue;
     }

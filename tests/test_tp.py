@@ -29,6 +29,7 @@ from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
 from test_speculative import _chi2_pvalue
 
 HERE = Path(__file__).resolve().parent
+ISA_LEVELS = _C.cpu_info()["isa_levels"]
 
 
 def tiny(out: Path, seed: int = 7, **kw) -> Path:
@@ -45,8 +46,13 @@ def tiny_model(tmp_path_factory):
 
 
 def _env(**extra) -> dict:
+    """The ranks import the qspec this test imported (an installed one, the source tree, or the
+    ISA-emulation build of tests/test_isa_emulation.py)."""
     drop = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(qspec.__file__).resolve().parents[1]),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    return {**env, **extra}
 
 
 def run_worker(scenario: str, model: Path, world: int, timeout: float = 600, **env) -> dict:
@@ -138,12 +144,10 @@ def test_world_size_checks(monkeypatch):
 
 
 # ------------------------------------------------------------------ in 2 ranks
-@pytest.mark.parametrize("transport", ["auto", "gloo"])
-def test_tp_forward_matches_one_process_and_is_lossless(tiny_model, transport):
-    r = run_worker("suite", tiny_model, 2, QSPEC_TP_TRANSPORT=transport)
-    assert r["transport"] == ("gloo" if transport == "gloo" else "shm")
-    # the split K sums (ranks' partials added in rank order) differ from one chain only by rounding
-    assert r["rel_err_target"] < 1e-4 and r["rel_err_draft"] < 1e-4, r
+def check_suite(r: dict) -> None:
+    # the split K sums (ranks' partials added in rank order) differ from one chain only by rounding,
+    # which the BF16 K/V cache rows can turn into a 2^-8 step and the MX draft into a quantization step
+    assert r["rel_err_target"] < 2e-3 and r["rel_err_draft"] < 2e-2, r
     assert r["batch_invariant"], "a row's TP logits depend on the rows beside it"
     for name, eq in r["greedy_equal"].items():
         assert all(eq), f"greedy speculative ({name}) != greedy plain under TP: {eq}"
@@ -151,9 +155,20 @@ def test_tp_forward_matches_one_process_and_is_lossless(tiny_model, transport):
     print("TP plain == 1-process plain on", sum(r["agree_single"]), "of", len(r["agree_single"]), "prompts")
 
 
-def test_tp_transports_give_the_same_bits(tiny_model):
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+def test_tp_suite(tiny_model, isa):
+    """2 ranks x 1 thread against 1 process: logits within rounding, batch invariance in bits, greedy
+    speculative == greedy plain (K = 1, 4, auto, a tree) under TP, at every ISA level."""
+    r = run_worker("suite", tiny_model, 2, QSPEC_ISA=isa)
+    assert r["transport"] == "shm"
+    check_suite(r)
+
+
+def test_tp_gloo_transport_gives_the_same_bits(tiny_model):
     shm = run_worker("suite", tiny_model, 2, QSPEC_TP_TRANSPORT="shm")
     gloo = run_worker("suite", tiny_model, 2, QSPEC_TP_TRANSPORT="gloo")
+    assert gloo["transport"] == "gloo"
+    check_suite(gloo)
     assert shm["plain"] == gloo["plain"]
 
 
@@ -170,6 +185,26 @@ def test_tp_lossless_on_the_default_model(default_model_dir):
     """SmolLM2-135M has 3 KV heads: 3 ranks (on 2 cores here: oversubscribed, slow but exact)."""
     r = run_worker("greedy", default_model_dir, 3, TP_DRAFT="mxfp6_e2m3")
     assert all(r["equal"]), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_tp_lossless_on_real_models(model):
+    """2 ranks on the real models: greedy speculative (K = 4, auto) == greedy plain under TP on 12
+    dev prompts x 48 tokens; prints how often TP plain equals the one-process output."""
+    from qspec.fetch import resolve_model
+
+    try:
+        model_dir = resolve_model(model)
+    except qspec.QspecError as e:
+        pytest.skip(f"{model} is not fetched ({e}); qspec fetch {model}")
+    lines = (HERE.parent / "bench" / "prompts" / "dev.jsonl").read_text().splitlines()
+    prompts = [json.loads(x)["prompt"] for x in lines if x.strip()]
+    prompts = [prompts[i * len(prompts) // 12] for i in range(12)]
+    r = run_worker("greedy", model_dir, 2, timeout=3600, TP_PROMPTS=json.dumps(prompts), TP_NEW="48",
+                   TP_SINGLE="1", TP_DRAFT="mxfp4")
+    assert all(r["equal"]), r
+    print(f"{model}: TP plain == 1-process plain on {sum(r['agree_single'])} of {len(prompts)} prompts")
 
 
 # ------------------------------------------------------------------ bad set-ups and failures

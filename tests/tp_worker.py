@@ -25,10 +25,10 @@ def single_process(model_dir, draft="mxfp4"):
     from qspec.config import ModelConfig
     from qspec.draft import DraftSpec
     from qspec.loader import load_weights
-    from qspec.native import NativeBackend
+    from qspec.native import native_backend
 
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    return NativeBackend(cfg, load_weights(model_dir, cfg), DraftSpec(draft, draft))
+    return native_backend(model_dir, cfg, load_weights(model_dir, cfg), DraftSpec(draft, draft))
 
 
 def suite(model_dir, eng) -> dict:
@@ -85,11 +85,21 @@ def sampling(model_dir, eng) -> dict:
 
 
 def greedy(model_dir, eng) -> dict:
-    """Greedy speculative == plain under TP on a real model (the default model needs 3 ranks)."""
-    prompts = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime."]
-    plain = [eng.generate(p, max_new_tokens=16, speculative=False).tokens for p in prompts]
-    spec = [eng.generate(p, max_new_tokens=16, draft_max=k).tokens for p in prompts for k in (3, "auto")]
-    return {"equal": [s == plain[i // 2] for i, s in enumerate(spec)]}
+    """Greedy speculative == plain under TP on a real model (the default model needs 3 ranks).
+    TP_PROMPTS: a JSON list of prompts; TP_NEW: tokens each; TP_SINGLE=1: also how often TP plain
+    output equals the one-process output."""
+    prompts = json.loads(os.environ.get("TP_PROMPTS", "null")) or [
+        "Write a haiku about the sea.", "List three prime numbers and explain why they are prime."]
+    n = int(os.environ.get("TP_NEW", "16"))
+    plain = [eng.generate(p, max_new_tokens=n, speculative=False).tokens for p in prompts]
+    spec = [eng.generate(p, max_new_tokens=n, draft_max=k).tokens for p in prompts for k in (4, "auto")]
+    out = {"equal": [s == plain[i // 2] for i, s in enumerate(spec)]}
+    if os.environ.get("TP_SINGLE") == "1":
+        ref = single_process(model_dir, eng.draft.fmt)
+        single = qspec.Engine(model_dir, eng.cfg, eng.tokenizer, ref, eng.eos_ids)
+        out["agree_single"] = [single.generate(p, max_new_tokens=n, speculative=False).tokens == t
+                               for p, t in zip(prompts, plain)]
+    return out
 
 
 def main() -> None:
@@ -99,7 +109,7 @@ def main() -> None:
     from pathlib import Path
 
     draft = os.environ.get("TP_DRAFT", "mxfp4")
-    eng = qspec.load(model_dir, draft=draft, draft_lm_head=draft, cache=False)  # followers never return
+    eng = qspec.load(model_dir, draft=draft, draft_lm_head=draft)  # followers never return
     result = {"suite": suite, "sampling": sampling, "greedy": greedy}[scenario](Path(model_dir), eng)
     print(json.dumps(result), flush=True)
 

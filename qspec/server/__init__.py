@@ -16,7 +16,8 @@ __all__ = ["Settings", "create_app", "serve"]
 
 def serve(engine, settings: Settings, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM: then the listening socket closes, requests in flight finish
-    (cut after settings.shutdown_timeout seconds) and the worker thread ends."""
+    (cut after settings.shutdown_timeout seconds) and the worker thread ends. Also stops when a
+    tensor-parallel rank is lost, and then raises its TensorParallelError."""
     import uvicorn
 
     handler = logging.StreamHandler()
@@ -36,3 +37,6 @@ def serve(engine, settings: Settings, host: str, port: int) -> None:
         uvicorn.Server(config).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    broken = getattr(getattr(engine.backend, "comm", None), "broken", None)
+    if broken is not None:
+        raise broken

@@ -14,9 +14,13 @@ import asyncio
 import collections
 import logging
 import math
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
+
+from ..errors import TensorParallelError
 
 log = logging.getLogger("qspec.server")
 
@@ -153,6 +157,10 @@ class Scheduler:
                 done = self._generate(job)
                 self._finished(job, done)
                 job.emit("done", done)
+            except TensorParallelError as e:  # a rank is gone: the engine cannot run again
+                log.error("%s failed, stopping the server: %s", job.id, e)
+                job.emit("error", e)
+                os.kill(os.getpid(), signal.SIGTERM)  # the graceful shutdown; `qspec serve` then exits 1
             except Exception as e:  # a bug or an engine failure: the request fails, the server lives
                 log.exception("request %s failed", job.id)
                 job.emit("error", e)
