@@ -60,7 +60,7 @@ def pieces(wall_s: float, p: dict) -> dict:
     out = {g: p[f"gemm_{g}_s"] - p[f"gemm_{g}_prep_s"] - p[f"gemm_{g}_idle_s"] for g in GEMMS}
     out.update(prep=p["gemm_prep_s"], gemm_idle=p["gemm_idle_s"],
                attention=p["attention_s"] - p["attention_idle_s"], attn_idle=p["attention_idle_s"],
-               rowwise=p["rowwise_s"], host=wall_s - p["total_s"])
+               rowwise=p["rowwise_s"], reduce=p["reduce_s"], host=wall_s - p["total_s"])
     return out
 
 

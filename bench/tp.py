@@ -1,5 +1,5 @@
 """Tensor parallelism: what its collectives cost here, and a paper model of sockets and hosts:
-`qspec bench tp [--what collectives,projection] [--world N] [--transport shm,gloo] [--reps N]
+`qspec bench tp [--what collectives,projection,e2e] [--world N] [--transport shm,gloo] [--reps N]
 [--quick] [--json PATH] [projection options]` (or `python -m bench.tp ...` from a development
 install).
 
@@ -17,6 +17,9 @@ collectives  W local ranks (--world, default 2; one thread each, placed by
                gather   the logits gather of [m, vocab/W] float32 slices to rank 0
                         (vocab 151936 and 128256; m in 1, 9)
                command  rank 0's FORWARD command to the followers with 1 or 9 token ids
+e2e          The model end to end at world sizes --worlds (default 1,2), alternated --repeat
+             times: plain and speculative tok/s and rank 0's time in collectives per forward
+             (bench/tp_e2e.py; --model, --prompts, --max-new, --draft-max).
 projection   A PROJECTION, not a measurement: decode step time and tok/s of Llama-3.1-8B and
              -70B shapes on 1 socket, 2 sockets (TP 2) and 2 or 4 hosts of 2 sockets (TP 4, 8).
              Assumptions (printed with the table):
@@ -62,7 +65,8 @@ import numpy as np
 from qspec.errors import TensorParallelError
 from qspec.parallel.comm import FORWARD, HEADER
 
-from .common import JsonWriter, fmt_table, parent_parser, print_header, setup
+from .common import JsonWriter, fmt_table, model_parser, parent_parser, print_header, setup
+from .tp_e2e import add_e2e_args, run_e2e
 
 REDUCE_M, REDUCE_D = (1, 5, 9, 16), (576, 1536, 4096, 8192)
 GATHER_M, GATHER_VOCAB = (1, 9), (151936, 128256)
@@ -161,10 +165,10 @@ def _rank_main(rank: int, spec: dict) -> None:
     from qspec.parallel.topology import apply, place
 
     world, reps, warmup, cases = spec["world"], spec["reps"], spec["warmup"], spec["cases"]
-    placement = place(rank, world)
-    apply(placement)
     torch.set_num_threads(1)
     comm = Comm()
+    placement = place(rank, world)
+    apply(placement)  # after the group is up, as the engine's ranks (qspec/parallel/launch.py)
     try:
         width = max([-(-c["vocab"] // world) for c in cases if c["op"] == "gather"] or [1])
         transport = comm.open_shm(max([c.get("d", 1) for c in cases]), width, max(COMMAND_TOKENS))
@@ -454,7 +458,7 @@ def run_projection(args, writer: JsonWriter) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------- main
-SECTIONS = {"collectives": run_collectives, "projection": run_projection}
+SECTIONS = {"collectives": run_collectives, "projection": run_projection, "e2e": run_e2e}
 
 
 def _what(s: str) -> list[str]:
@@ -473,7 +477,7 @@ def _transports(s: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="qspec bench tp", parents=[parent_parser()], description=__doc__,
+    p = argparse.ArgumentParser(prog="qspec bench tp", parents=[parent_parser(), model_parser()], description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", type=_what, default=_what("collectives,projection"),
                    help=f"sections, comma list of {', '.join(SECTIONS)} (default: collectives,projection)")
@@ -491,6 +495,7 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=8, help="projection: draft tokens per step (default 8)")
     p.add_argument("--tau", type=float, default=6.4, help="projection: tokens per verify step (default 6.4)")
     p.add_argument("--draft-bits", type=float, default=4.25, help="projection: draft bits per weight (default 4.25)")
+    add_e2e_args(p)
     args = p.parse_args(argv)
     for name, low in (("world", 2), ("reps", 10), ("k", 1), ("context", 0)):
         if getattr(args, name) < low:

@@ -53,7 +53,7 @@ def _child(spec: dict) -> None:
                                 "tok_s": r.stats["tokens_per_s"], "forwards": prof["calls"],
                                 "forward_ms": 1e3 * prof["total_s"] / calls, "coll_ms": 1e3 * coll / calls,
                                 "reduce_ms": 1e3 * prof["reduce_s"] / calls,
-                                "collectives": 2 * eng.cfg.n_layers + (comm.collectives / calls if comm else 0)})
+                                "collectives": 2 * eng.cfg.n_layers + comm.collectives / calls if comm else 0})
     print(json.dumps(out), flush=True)
 
 

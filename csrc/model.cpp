@@ -175,9 +175,10 @@ class Model {
     reducer_ = shm_ ? py::none() : std::move(reducer);
   }
 
+  bool parallel() const { return shm_ || !reducer_.is_none(); }
+
   void reduce(float* x, int64_t m) {
     if (shm_) return shm_->reduce(x, m * d_);  // ranks on one host: no GIL, no Python
-    if (reducer_.is_none()) return;
     py::gil_scoped_acquire gil;
     auto base = py::capsule(x, [](void*) {});  // a view: the buffer outlives the call
     py::array_t<float> view({m, d_}, {d_ * int64_t(sizeof(float)), int64_t(sizeof(float))}, x, base);
@@ -287,15 +288,19 @@ class Model {
       prof_.attention_idle += attn_idle.idle_s;
       prof_.attention_idle_thread += attn_idle.idle_thread_s;
       timed_gemm(kO, *L.wo, att_.data(), q_n, tmp_.data(), d_, m);
-      reduce(tmp_.data(), m);
-      lap(prof_.reduce);
+      if (parallel()) {
+        reduce(tmp_.data(), m);
+        lap(prof_.reduce);
+      }
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
       for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]); });
       timed_gemm(kGateUp, *L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
       for_rows(m, [&](int64_t r) { silu_mul(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_); });
       timed_gemm(kDown, *L.wdown, act_.data(), f_, tmp_.data(), d_, m);
-      reduce(tmp_.data(), m);
-      lap(prof_.reduce);
+      if (parallel()) {
+        reduce(tmp_.data(), m);
+        lap(prof_.reduce);
+      }
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }
     const int64_t first = all_logits ? 0 : m - 1, rows = m - first;

@@ -29,10 +29,11 @@ def test_profile_pieces_add_up_to_the_forward(backend, m, draft):
     backend.forward(list(range(200, 200 + m)), CONTEXT, all_logits=m > 1, draft=draft)
     p = model.profile()
     assert p["calls"] == 1 and p["total_s"] > 0
-    pieces = sum(p[f"gemm_{g}_s"] for g in GEMMS) + p["attention_s"] + p["rowwise_s"]
+    pieces = sum(p[f"gemm_{g}_s"] for g in GEMMS) + p["attention_s"] + p["rowwise_s"] + p["reduce_s"]
     assert pieces == pytest.approx(p["total_s"], rel=1e-9)
     assert p["gemm_s"] == pytest.approx(sum(p[f"gemm_{g}_s"] for g in GEMMS), rel=1e-12)
     assert p["other_s"] == pytest.approx(p["rowwise_s"], rel=1e-6, abs=1e-12)  # the older key, same piece
+    assert p["reduce_s"] == 0  # one process: no tensor-parallel reductions
     for g in GEMMS:
         wall, prep, idle = p[f"gemm_{g}_s"], p[f"gemm_{g}_prep_s"], p[f"gemm_{g}_idle_s"]
         assert wall > 0 and prep >= 0 and idle >= 0, g

@@ -107,10 +107,10 @@ def test_place_ranks_sharing_a_node_split_its_cores(tmp_path):
     assert all(p.threads == 1 for p in got)
 
 
-def test_one_cpu_rank_is_not_pinned(tmp_path):
+def test_ranks_pinned_unless_they_share_cores(tmp_path):
     root = str(tmp_path)  # no topology files: each cpu its own core
-    assert place(0, 2, [[0], [1]], root) == Placement([0], 1, False)
-    assert place(1, 2, [[0, 1]], root) == Placement([1], 1, False)
+    assert place(0, 2, [[0], [1]], root) == Placement([0], 1, True)
+    assert place(1, 2, [[0, 1]], root) == Placement([1], 1, True)
     assert place(2, 3, [[0, 1]], root) == Placement([1], 1, False)  # 3 ranks on 2 one-thread cores
 
 
