@@ -393,7 +393,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     if world > 1 and backend != "native":
         raise ValueError("tensor parallelism runs on the native backend only")
 
-    def prepare() -> _Plan:
+    def prepare() -> _Plan:  # on every rank; under TP its errors are reported by rank 0 only
+        if world > 1 and draft_file is not None:
+            raise ValueError("a draft file holds the whole model: with tensor parallelism each rank casts its "
+                             "own shard (and keeps it in the weight cache); drop --draft-file")
         return _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain, backend)
 
     def make_backend(plan: _Plan, shard=None) -> Backend:

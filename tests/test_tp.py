@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,6 +224,14 @@ def test_cli_world_that_does_not_divide_the_kv_heads(tiny_model):
     _no_leftover_ranks(str(tiny_model))
 
 
+def test_cli_draft_file_under_tp_is_one_line(tiny_model, tmp_path):
+    p = qspec_cli("generate", "w1", "-m", str(tiny_model), "-n", "2", "--tp", "2",
+                  "--draft-file", str(tmp_path / "d.qspec.safetensors"))
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "each rank casts its own shard" in lines[0], p.stderr
+
+
 def test_cli_tp_generates_what_one_process_generates_here(tiny_model):
     one = qspec_cli("generate", "w1 w2 w3", "-m", str(tiny_model), "-n", "12", "--draft", "none")
     two = qspec_cli("generate", "w1 w2 w3", "-m", str(tiny_model), "-n", "12", "--tp", "2")
@@ -272,17 +281,22 @@ def test_killed_rank_gives_a_clear_error_on_rank_0(slow_model, transport):
     p = subprocess.Popen([sys.executable, "-m", "qspec", "generate", "w1 w2", "-m", str(slow_model), "-n", "8000",
                           "--tp", "2", "--draft", "none"], env=_env(QSPEC_TP_TRANSPORT=transport),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    follower, deadline = None, time.monotonic() + 60
-    while follower is None and time.monotonic() < deadline:
-        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-        follower = int(kids[0]) if kids else None
-        time.sleep(0.2)
-    assert follower is not None
-    time.sleep(6)  # start-up, then generating
-    os.kill(follower, signal.SIGKILL)
+    printed: list[str] = []
+
+    def pump():
+        for ch in iter(lambda: p.stdout.read(1), ""):
+            printed.append(ch)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 120
+    while len(printed) < 20 and p.poll() is None and time.monotonic() < deadline:  # until it generates
+        time.sleep(0.05)
+    kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert kids and p.poll() is None, "it should be generating on 2 ranks"
+    os.kill(int(kids[0]), signal.SIGKILL)
     t = time.monotonic()
-    out, err = p.communicate(timeout=120)
+    err = p.stderr.read()
+    p.wait(timeout=60)
     assert p.returncode != 0 and time.monotonic() - t < 60, err
-    assert out.strip(), "it should have been generating when the rank was killed"
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qspec: error: tensor parallelism:"), err
