@@ -148,6 +148,7 @@ def test_world_size_checks(monkeypatch):
 def check_suite(r: dict) -> None:
     # the split K sums (ranks' partials added in rank order) differ from one chain only by rounding,
     # which the BF16 K/V cache rows can turn into a 2^-8 step and the MX draft into a quantization step
+    # (test_tp_each_depth_matches_one_process: the same at depths 1 and 2)
     assert r["rel_err_target"] < 2e-3 and r["rel_err_draft"] < 2e-2, r
     assert r["batch_invariant"], "a row's TP logits depend on the rows beside it"
     for name, eq in r["greedy_equal"].items():
@@ -163,6 +164,13 @@ def test_tp_suite(tiny_model, isa):
     r = run_worker("suite", tiny_model, 2, QSPEC_ISA=isa)
     assert r["transport"] == "shm"
     check_suite(r)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_tp_each_depth_matches_one_process(tmp_path, layers):
+    """The output after 1 and 2 layers (models of that depth) within rounding of one process."""
+    r = run_worker("logits", tiny(tmp_path, seed=11, n_layers=layers), 2)
+    assert r["rel_err_target"] < 2e-3 and r["rel_err_draft"] < 2e-2, r
 
 
 def test_tp_gloo_transport_gives_the_same_bits(tiny_model):

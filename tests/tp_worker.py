@@ -31,9 +31,10 @@ def single_process(model_dir, draft="mxfp4"):
     return native_backend(model_dir, cfg, load_weights(model_dir, cfg), DraftSpec(draft, draft))
 
 
-def suite(model_dir, eng) -> dict:
-    be, ref = eng.backend, single_process(model_dir)
-    out = {"transport": "shm" if be.comm.shm is not None else "gloo", "world": be.comm.world}
+def logits(model_dir, eng, ref=None) -> dict:
+    """Max relative error of the TP logits (every row of a 20-token pass) against one process's,
+    with the target and the draft weights."""
+    be, ref = eng.backend, ref or single_process(model_dir)
     prompt = list(range(1, 21))
     errs = []
     for s in (0, 1):  # target and draft weights
@@ -42,7 +43,14 @@ def suite(model_dir, eng) -> dict:
         a = be.forward(prompt, 0, all_logits=True, draft=s)
         b = ref.forward(prompt, 0, all_logits=True, draft=s)
         errs.append(float(np.abs(a - b).max() / max(1e-6, np.abs(b).max())))
-    out["rel_err_target"], out["rel_err_draft"] = errs
+    return {"rel_err_target": errs[0], "rel_err_draft": errs[1]}
+
+
+def suite(model_dir, eng) -> dict:
+    be, ref = eng.backend, single_process(model_dir)
+    out = {"transport": "shm" if be.comm.shm is not None else "gloo", "world": be.comm.world,
+           **logits(model_dir, eng, ref)}
+    prompt = list(range(1, 21))
     # batch invariance: each row of a 20-row pass == the same row run alone (bits), and a 5-row verify-sized pass
     full = be.forward(prompt, 0, all_logits=True)
     alone = np.stack([be.forward([t], i)[-1] for i, t in enumerate(prompt)])
@@ -110,7 +118,7 @@ def main() -> None:
 
     draft = os.environ.get("TP_DRAFT", "mxfp4")
     eng = qspec.load(model_dir, draft=draft, draft_lm_head=draft)  # followers never return
-    result = {"suite": suite, "sampling": sampling, "greedy": greedy}[scenario](Path(model_dir), eng)
+    result = {"suite": suite, "logits": logits, "sampling": sampling, "greedy": greedy}[scenario](Path(model_dir), eng)
     print(json.dumps(result), flush=True)
 
 
