@@ -62,7 +62,7 @@ class TPBackend:
             (int(tree[0]), check_tree(tree, start_pos, m))
         if not self.local.model.has_set(int(draft)):
             raise ValueError(f"weight set {int(draft)} is not loaded")
-        self.comm.send(FORWARD, (m, int(start_pos), int(draft), int(all_logits), prefix),
+        self.comm.send(FORWARD, (m, int(start_pos), int(draft), int(all_logits), prefix, self.kv.capacity),
                        np.concatenate([ids, parents]))
         try:
             local = self.local.forward(ids, start_pos, all_logits=all_logits, draft=draft,
@@ -86,8 +86,10 @@ def follow(local: NativeBackend, comm: Comm) -> int:
         if op == STOP:
             return args[0]
         if op == FORWARD:
-            m, start_pos, weight_set, all_logits, prefix = args[:5]
-            kv.ensure_capacity(start_pos + m, keep=kv.capacity)  # rank 0's cache holds these rows too
+            m, start_pos, weight_set, all_logits, prefix, capacity = args
+            # grow when rank 0's cache grew (not row by row: each growth copies the cache), keeping
+            # every row: rank 0's cache holds them too
+            kv.ensure_capacity(capacity, keep=kv.capacity)
             tree = None if prefix < 0 else (prefix, payload[m:])
             try:
                 logits = local.forward(payload[:m], start_pos, all_logits=bool(all_logits), draft=weight_set,
