@@ -167,6 +167,8 @@ def _rank_main(rank: int, spec: dict) -> None:
     world, reps, warmup, cases = spec["world"], spec["reps"], spec["warmup"], spec["cases"]
     torch.set_num_threads(1)
     comm = Comm()
+    if comm.problem:
+        raise TensorParallelError(comm.problem)
     placement = place(rank, world)
     apply(placement)  # after the group is up, as the engine's ranks (qspec/parallel/launch.py)
     try:

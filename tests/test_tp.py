@@ -240,6 +240,14 @@ def test_cli_draft_file_under_tp_is_one_line(tiny_model, tmp_path):
     assert len(lines) == 1 and "each rank casts its own shard" in lines[0], p.stderr
 
 
+@pytest.mark.parametrize("env", [{"QSPEC_TP_TRANSPORT": "bogus"}, {"QSPEC_TP_TIMEOUT": "-1"}])
+def test_bad_tp_setting_is_one_line(tiny_model, env):
+    p = qspec_cli("generate", "w1", "-m", str(tiny_model), "-n", "2", "--tp", "2", **env)
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and next(iter(env)) in lines[0], p.stderr
+
+
 def test_cli_tp_generates_what_one_process_generates_here(tiny_model):
     one = qspec_cli("generate", "w1 w2 w3", "-m", str(tiny_model), "-n", "12", "--draft", "none")
     two = qspec_cli("generate", "w1 w2 w3", "-m", str(tiny_model), "-n", "12", "--tp", "2")

@@ -93,11 +93,15 @@ class Comm:
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
+        # a bad setting is kept in `problem` (defaults used meanwhile) and reported once the ranks
+        # have met, so that rank 0 says it once (qspec/parallel/launch.py) rather than every rank
+        self.problem: str | None = None
         self.transport = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
         if self.transport not in ("auto", "shm", "gloo"):
-            raise TensorParallelError(f"{TRANSPORT_ENV} must be auto, shm or gloo, got {self.transport!r}")
-        connect = _seconds(CONNECT_TIMEOUT_ENV, 60.0)
-        self.timeout = _seconds(TIMEOUT_ENV, 300.0)
+            self.problem = f"{TRANSPORT_ENV} must be auto, shm or gloo, got {self.transport!r}"
+            self.transport = "auto"
+        connect = self._setting(CONNECT_TIMEOUT_ENV, 60.0)
+        self.timeout = self._setting(TIMEOUT_ENV, 300.0)
         for k in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
             if k not in os.environ:
                 raise TensorParallelError(f"tensor parallelism needs {k} in the environment: launch the ranks "
@@ -119,6 +123,13 @@ class Comm:
         self.broken: TensorParallelError | None = None
         self.stopped = False
         self.collective_s, self.collectives = 0.0, 0
+
+    def _setting(self, env: str, default: float) -> float:
+        try:
+            return _seconds(env, default)
+        except TensorParallelError as e:
+            self.problem = self.problem or str(e)
+            return default
 
     @property
     def reducer(self):

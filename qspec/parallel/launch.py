@@ -105,6 +105,8 @@ def load_tensor_parallel(prepare, make_backend, make_engine, threads: int | None
     _C.set_num_threads(threads or placement.threads)
     try:
         try:
+            if comm.problem:
+                raise TensorParallelError(comm.problem)
             plan = prepare()
             shards = [Shard.plan(plan.cfg, r, comm.world) for r in range(comm.world)]
             mine: dict | str = identity(plan.model_dir, plan.cfg, plan.chain, plan.spec)
