@@ -65,6 +65,7 @@ CpuFeatures probe() {
     f.avx512dq = b & (1u << 17);
     f.avx512bw = b & (1u << 30);
     f.avx512vl = b & (1u << 31);
+    f.avx512_vnni = c & (1u << 11);
     f.avx512_fp16 = d & (1u << 23);
     f.amx_bf16 = d & (1u << 22);
     f.amx_tile = d & (1u << 24);

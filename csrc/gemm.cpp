@@ -337,6 +337,32 @@ GemmPath gemm_path_from_name(const std::string& name) {
                               "' (expected ref, avx2, avx512, avx512_bf16 or amx)");
 }
 
+namespace {
+std::atomic<bool>& vnni_enabled() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+bool amx_int8() {
+#ifdef QSPEC_ISA_EMULATION
+  return true;  // the test build emulates TDPBSSD
+#else
+  return cpu_features().amx_int8;
+#endif
+}
+}  // namespace
+
+bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
+
+bool mx_vnni() {
+#ifdef QSPEC_ISA_EMULATION
+  const bool have = true;  // the test build emulates vpdpbusd (csrc/emu/isa_emulation.h)
+#else
+  const bool have = cpu_features().avx512_vnni;
+#endif
+  return have && isa_selected() >= Isa::avx512 && vnni_enabled().load(std::memory_order_relaxed);
+}
+
 bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
   const int isa = int(isa_selected());
   switch (p) {
@@ -344,17 +370,22 @@ bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
     case GemmPath::avx2: return isa >= int(Isa::avx2);
     case GemmPath::avx512: return isa >= int(Isa::avx512);
     case GemmPath::avx512_bf16: return isa >= int(Isa::avx512_bf16) && w.fmt == WFormat::bf16;
-    // Tiles for every M of BF16 weights: decode, verify and prefill share one path (gemm.h).
-    case GemmPath::amx: return isa >= int(Isa::amx) && w.fmt == WFormat::bf16;
+    // Tiles for every M of BF16 weights: decode, verify and prefill share one path (gemm.h);
+    // AMX-INT8 for MXFP4 (bit-identical to its other paths).
+    case GemmPath::amx:
+      return isa >= int(Isa::amx) && (w.fmt == WFormat::bf16 || (w.fmt == WFormat::mxfp4 && amx_int8()));
   }
   return false;
 }
 
 GemmPath gemm_choose(const PackedWeight& w, int64_t m) {
-  for (int p = int(GemmPath::amx); p > int(GemmPath::ref); --p)
+  for (int p = int(GemmPath::amx); p > int(GemmPath::ref); --p) {
+    if (p == int(GemmPath::amx) && w.fmt == WFormat::mxfp4 && m < kAmxQ4MinRows) continue;
     if (gemm_supports(GemmPath(p), w, m)) return GemmPath(p);
+  }
   return GemmPath::ref;
 }
+
 
 GemmTiming& gemm_timing() {
   thread_local GemmTiming t;
@@ -439,9 +470,11 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   switch (p) {
     case GemmPath::ref: kernel = detail::gemm_blocks_ref; break;
     case GemmPath::avx2: kernel = detail::gemm_blocks_avx2; break;
-    case GemmPath::avx512: kernel = detail::gemm_blocks_avx512; break;
+    case GemmPath::avx512:
+      kernel = a.kind == detail::kQ4 && mx_vnni() ? detail::gemm_blocks_q4_vnni : detail::gemm_blocks_avx512;
+      break;
     case GemmPath::avx512_bf16: kernel = detail::gemm_blocks_avx512_bf16; break;
-    case GemmPath::amx: kernel = detail::gemm_blocks_amx; break;
+    case GemmPath::amx: kernel = a.kind == detail::kQ4 ? detail::gemm_blocks_q4_amx : detail::gemm_blocks_amx; break;
   }
 
   // Threads split row blocks of N only (K is never split), so the thread count never
@@ -637,6 +670,11 @@ void bind_gemm(py::module_& m) {
       if (gemm_supports(GemmPath(p), w, mrows)) r.push_back(gemm_path_name(GemmPath(p)));
     return r;
   }, py::arg("w"), py::arg("m"), "GEMM paths usable on this CPU for this weight and M");
+
+  m.def("set_mx_vnni", &set_mx_vnni, py::arg("enabled"),
+        "Let the avx512 path sum MXFP4 x Q8 products with vpdpbusd where the CPU has AVX512-VNNI "
+        "(default; same bits as vpmaddubsw); returns the previous setting");
+  m.def("mx_vnni", &mx_vnni, "Whether the avx512 MXFP4 path uses vpdpbusd (available and enabled)");
 
   m.def("gemm_choose", [](const PackedWeight& w, int64_t mrows) {
     return std::string(gemm_path_name(gemm_choose(w, mrows)));

@@ -33,7 +33,7 @@ PATH_VS_REF_TOL = {             # [path][format]
     "avx2": {fmt: EXACT for fmt in ALL_FORMATS},
     "avx512": {fmt: EXACT for fmt in ALL_FORMATS},
     "avx512_bf16": {"bf16": BF16_ACTIVATIONS},
-    "amx": {"bf16": BF16_ACTIVATIONS},
+    "amx": {"bf16": BF16_ACTIVATIONS, "mxfp4": EXACT},  # AMX-INT8: the same exact integer dots
 }
 
 
@@ -137,15 +137,42 @@ def test_paths_and_dispatch():
         assert "avx2" in paths
     if not info["features"]["avx512f"] and not info["isa_emulation"]:
         assert not {"avx512", "avx512_bf16", "amx"} & set(paths)
-    # decode / verify range: one path whatever M (docs/architecture.md invariant 2)
+    # decode / verify range: one path whatever M (docs/architecture.md invariant 2), except for
+    # MXFP4, whose paths all compute the same exact integer dots (bit-identical: tested below)
     for fmt in ["bf16", "mxfp4", "mxfp8_e4m3"]:
         w = pw if fmt == "bf16" else _C.pack_mx(fmt, np.zeros((16, 32), np.uint8), np.zeros((16, 1), np.uint8), 32)
         chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}
-        assert len(chosen) == 1, chosen
-        assert chosen.pop() in _C.gemm_paths(w, 1)
-        if info["isa_selected"] == "amx":  # tiles for BF16 weights at every M; MX keeps its paths
-            assert _C.gemm_choose(w, 1) == _C.gemm_choose(w, 65) == ("amx" if fmt == "bf16" else "avx512")
+        assert chosen <= set(_C.gemm_paths(w, 1))
+        if info["isa_selected"] == "amx":  # tiles for BF16 at every M, AMX-INT8 for MXFP4 from 4 rows
+            if fmt == "mxfp4":
+                assert [_C.gemm_choose(w, m) for m in (1, 3, 4, 65)] == ["avx512", "avx512", "amx", "amx"]
+            else:
+                assert chosen == {"amx" if fmt == "bf16" else "avx512"}
+        elif fmt != "mxfp4":
+            assert len(chosen) == 1, chosen
     assert isinstance(_C.PACK_LAYOUT_VERSION, int)
+
+
+def test_mxfp4_vnni_and_maddubs_paths_equal_ref(rng):
+    """The avx512 path's two integer-dot instructions (vpdpbusd where the CPU has AVX512-VNNI,
+    else vpmaddubsw) give ref's bits at every tile shape; so do AMX-INT8 tiles (M up to 40:
+    one and two row tiles, then a second chunk of 32 rows)."""
+    pw, w = make_weight(rng, "mxfp4", 72, 1000)
+    if "avx512" not in _C.gemm_paths(pw, 1):
+        pytest.skip("no avx512 path on this CPU")
+    info = _C.cpu_info()
+    assert _C.mx_vnni() == (info["features"]["avx512_vnni"] or info["isa_emulation"])  # on by default
+    for m in list(range(1, 18)) + [33, 40]:
+        x = rng.standard_normal((m, 1000)).astype(np.float32)
+        yref = _C.gemm(pw, x, path="ref")
+        for vnni in (False, True):
+            old = _C.set_mx_vnni(vnni)
+            try:
+                np.testing.assert_array_equal(_C.gemm(pw, x, path="avx512"), yref, err_msg=f"m={m} vnni={vnni}")
+            finally:
+                _C.set_mx_vnni(old)
+        if "amx" in _C.gemm_paths(pw, m):
+            np.testing.assert_array_equal(_C.gemm(pw, x, path="amx"), yref, err_msg=f"m={m} amx")
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
