@@ -52,6 +52,10 @@ MODELS = {
     "Llama-3-8B": [("q/o", 4096, 4096), ("k/v", 1024, 4096), ("gate/up", 14336, 4096),
                    ("down", 4096, 14336), ("lm_head", 128256, 4096)],
 }
+# How often each GEMM of MODELS runs per token (q/o, k/v and gate/up stand for two matrices per
+# layer), for the whole-model d(M) and c of the summary.
+LAYERS = {"SmolLM2-135M": 30, "Llama-3.2-1B": 16, "Llama-3-8B": 32}
+PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1, "qkv": 1, "o": 1, "gate_up": 1}
 QUICK = [("SmolLM2-135M", "gate/up"), ("SmolLM2-135M", "lm_head"), ("Llama-3.2-1B", "gate/up"),
          ("Llama-3-8B", "q/o")]
 MS = [1, 2, 4, 8, 16, 64, 256]
@@ -74,7 +78,8 @@ def synthetic_weight(rng, fmt: str, n: int, k: int, wbits: np.ndarray):
 
 
 def model_shapes(model: str) -> tuple[str, list[tuple[str, int, int]]]:
-    """(label, [(layer, N, K)]) of a model's GEMMs, from its config.json (--model NAME|DIR)."""
+    """(label, [(layer, N, K)]) of a model's GEMMs, from its config.json (--model NAME|DIR);
+    records the layer count in LAYERS for the whole-model summary."""
     from qspec.config import ModelConfig
     from qspec.errors import QspecError
     from qspec.fetch import resolve_model
@@ -84,6 +89,7 @@ def model_shapes(model: str) -> tuple[str, list[tuple[str, int, int]]]:
         c = ModelConfig.from_file(d / "config.json")
     except (QspecError, ValueError) as e:
         raise SystemExit(f"bench: error: {e}") from None
+    LAYERS[d.name] = c.n_layers
     return d.name, [("qkv", (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_size),
                     ("o", c.hidden_size, c.n_heads * c.head_dim),
                     ("gate_up", 2 * c.intermediate_size, c.hidden_size),
@@ -127,6 +133,10 @@ def run(args) -> list[dict]:
                     y = np.empty((m, n), np.float32)
                     paths = [p for p in _C.gemm_paths(ws[0], m) if p != "ref"]
                     fns = {p: Rotating(ws, lambda w, p=p: _C.gemm(w, x, y, p)) for p in paths}
+                    if fmt == "mxfp4" and "avx512" in paths and _C.mx_vnni():
+                        # the avx512 path's two integer-dot instructions, side by side
+                        fns["avx512_maddubs"] = Rotating(ws, lambda w: _maddubs(w, x, y))
+                        paths.append("avx512_maddubs")
                     with torch.inference_mode():
                         if tws:
                             fns["torch"] = Rotating(tws, lambda w: F.linear(tx, w))
@@ -142,7 +152,8 @@ def run(args) -> list[dict]:
                         ts = st["torch"].median if tws else float("nan")
                         gbps = nbytes / s / 1e9
                         pct = spread([100 * nbytes / pr.result[p] / 1e9 / f for pr, f in zip(meter.pairs, floors)])
-                        row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": p, "isa": p,
+                        label = "avx512_vnni" if p == "avx512" and fmt == "mxfp4" and _C.mx_vnni() else p
+                        row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": p.split("_maddubs")[0],
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
                                "synthetic": True, "m": m, "k": k, "n": n, "threads": threads,
                                "us_median": s * 1e6, "us_min": st[p].min * 1e6,
@@ -156,7 +167,7 @@ def run(args) -> list[dict]:
                         rows.append(row)
                         out.write(row)
                         mark = "*" if row["chosen"] else " "
-                        print(f"{mdl:13s} {lay:8s} {fmt:11s} {p:11s}{mark} M={m:<4d} {n:6d}x{k:<6d} "
+                        print(f"{mdl:13s} {lay:8s} {fmt:11s} {label:14s}{mark} M={m:<4d} {n:6d}x{k:<6d} "
                               f"{s * 1e6:9.1f} us {gbps:6.1f} GB/s {row['pct_of_bw']:5.0f}% "
                               f"[{pct['min']:3.0f}..{pct['max']:3.0f}] of {fl['median']:5.1f} "
                               f"{row['tflops'] * 1e3:6.1f} GFLOP/s  torch {row['us_torch']:9.1f} us "
@@ -166,6 +177,44 @@ def run(args) -> list[dict]:
     if args.plot:
         plot(rows, args.plot, ctx)
     return rows
+
+
+def _maddubs(w, x, y):
+    """The avx512 MXFP4 path with vpmaddubsw instead of vpdpbusd (same bits)."""
+    old = _C.set_mx_vnni(False)
+    try:
+        _C.gemm(w, x, y, "avx512")
+    finally:
+        _C.set_mx_vnni(old)
+
+
+def model_d_table(rows: list[dict]) -> list[dict]:
+    """Whole-model figures per (model, format, path), each GEMM weighted by how often it runs per
+    token: d(M) = time of M rows / time of 1 row on the dispatcher's M = 1 path (what a multi-row
+    draft pass costs in draft steps), and c = MX pass / BF16 pass at M = 1 (the dispatcher's paths)."""
+    t = {}  # (model, fmt, path, m) -> weighted us; chosen paths also under path "*"
+    shapes = {}
+    for r in rows:
+        wgt = PER_LAYER.get(r["layer"], 1) * (LAYERS.get(r["model"], 1) if r["layer"] in PER_LAYER else 1)
+        shapes.setdefault((r["model"], r["fmt"], r["path"], r["m"]), set()).add(r["layer"])
+        for path in [r["path"]] + (["*"] if r["chosen"] else []):
+            key = (r["model"], r["fmt"], path, r["m"])
+            t[key] = t.get(key, 0.0) + wgt * r["us_median"]
+    layers = {mdl: len({r["layer"] for r in rows if r["model"] == mdl}) for mdl in {r["model"] for r in rows}}
+    table = []
+    for (mdl, fmt, path, m), us in sorted(t.items()):
+        if m != 1 or path == "*" or len(shapes[(mdl, fmt, path, 1)]) != layers[mdl]:
+            continue  # whole models only
+        one = t.get((mdl, fmt, "*", 1))
+        bf16 = t.get((mdl, "bf16", "*", 1))
+        row = {"model": mdl, "fmt": fmt, "path": path, "M1_ms": us / 1e3,
+               "c": one / bf16 if (one and bf16 and fmt != "bf16") else float("nan")}
+        for mm in (2, 4, 8, 16, 32, 64):
+            v = t.get((mdl, fmt, path, mm))
+            full = v is not None and len(shapes[(mdl, fmt, path, mm)]) == layers[mdl]
+            row[f"d({mm})"] = v / one if (full and one) else float("nan")
+        table.append(row)
+    return table
 
 
 def summarize(rows: list[dict]) -> None:
@@ -186,6 +235,12 @@ def summarize(rows: list[dict]) -> None:
     print()
     print(fmt_table(table, ["model", "layer", "fmt", "path", "M1_us", "M1_pct_bw", "M1_vs_torch",
                             "M2/M1", "M4/M1", "M8/M1", "M16/M1", "M64/M1"]))
+    whole = model_d_table(rows)
+    if whole:
+        print("\nWhole model (each GEMM weighted by its count per token): d(M) = M rows / 1 row on the "
+              "dispatcher's M = 1 path; c = MX / BF16 at M = 1")
+        print(fmt_table(whole, ["model", "fmt", "path", "M1_ms", "c", "d(2)", "d(4)", "d(8)", "d(16)",
+                                "d(32)", "d(64)"]))
 
 
 def plot(rows: list[dict], path: str, ctx: dict) -> None:

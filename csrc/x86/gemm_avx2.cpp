@@ -291,6 +291,63 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
   store_acc<MB, NB>(acc, facc);
 }
 
+// MXFP4 for 3-4 rows of x at once: one decode of each slab serves every row. The fp32 sums live
+// in acc (L1) and the first half-block's int32 sums in a stack buffer, so the 8 int16
+// accumulators of 4 rows, the two decoded vectors and the constants fit the 16 ymm registers.
+// Same integer sums and the same per-block fma as q4_tile: bit-identical to it and to ref.
+template <int MB>
+void q4_rows_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
+  const int64_t kb = a.kp / kKBlk;
+  if (init)
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, 16 * 4);
+  const uint8_t* w = a.data + nb * (a.kp / 4) * 32;
+  const uint8_t* s = a.scales + nb * kb * kRows;
+  const int8_t* q[MB];
+  for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
+  const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
+    alignas(32) int32_t first[MB][2][8];  // int32 sums of the block's first half (slabs 0-3)
+    __m256 d[2];
+    e8m0x16(s + b * kRows, d[0], d[1]);
+    for (int half = 0; half < 2; ++half) {
+      __m256i s16[MB][2];
+      for (int g = 0; g < 4; ++g) {
+        const int64_t slab = b * 8 + half * 4 + g;
+        if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + slab * 32 + a.prefetch), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + slab * 32));
+        const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+        const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+        for (int i = 0; i < MB; ++i) {
+          int32_t q4;
+          std::memcpy(&q4, q[i] + slab * 4, 4);
+          const __m256i xq = _mm256_set1_epi32(q4);
+          const __m256i pl = _mm256_maddubs_epi16(wl, xq);
+          const __m256i ph = _mm256_maddubs_epi16(wh, xq);
+          s16[i][0] = g == 0 ? pl : _mm256_add_epi16(s16[i][0], pl);
+          s16[i][1] = g == 0 ? ph : _mm256_add_epi16(s16[i][1], ph);
+        }
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int64_t ib = (m0 + i) * kb + b;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i s32 = _mm256_madd_epi16(s16[i][h], _mm256_set1_epi16(1));
+          if (half == 0) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(first[i][h]), s32);
+            continue;
+          }
+          const __m256i isum = _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(first[i][h])), s32);
+          const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_set1_epi32(a.xc[ib])));
+          float* pa = acc_row(acc, i) + h * 8;
+          _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, _mm256_mul_ps(d[h], _mm256_set1_ps(a.xd[ib])), _mm256_loadu_ps(pa)));
+        }
+      }
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------- MXFP6 E2M3 (Q8)
 // Element * 8 is an integer in [-60, 60]: magnitude = nibble (e1 = 0: e0 m2 m1 m0 is already
 // 8*value) or LUT[nibble] (e1 = 1: 16 + 2m or 32 + 4m), the sign goes onto the activation byte.
@@ -440,6 +497,28 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
   }
 }
 QSPEC_TILE_TABLE(kQ4Tiles, q4_fn)
+
+// MXFP4, M >= 3: balanced row tiles of at most 4 rows (M = 5: 3 + 2), one row block at a time;
+// tiles of 3-4 rows decode each slab once for all of them, tiles of 1-2 rows are q4_tile's.
+// With several row tiles, K is chunked so the block's weights are re-read from L1.
+void q4_blocks_rows(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+  constexpr int kMaxRows = 4;
+  const TileFn rows_tiles[kMaxRows] = {q4_fn<1, 1>, q4_fn<2, 1>, q4_rows_tile<3>, q4_rows_tile<4>};
+  const int64_t ntiles = (a.m + kMaxRows - 1) / kMaxRows;
+  int64_t kc = ntiles == 1 ? a.kp : (kL1Bytes / (16 + a.m)) / kKBlk * kKBlk;
+  if (kc < kKBlk) kc = kKBlk;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
+      const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
+      for (int64_t tile = 0, m0 = 0; tile < ntiles; ++tile) {
+        const int mb = int(a.m * (tile + 1) / ntiles - m0);
+        rows_tiles[mb - 1](a, nb, m0, k0, k1, acc, k0 == 0);
+        m0 += mb;
+      }
+    }
+    store_rows(a, nb, 1, acc);
+  }
+}
 QSPEC_TILE_TABLE(kQ6Tiles, q6_fn)
 QSPEC_TILE_TABLE(kShlTiles, shl_fn)
 QSPEC_TILE_TABLE(kSraTiles, sra_fn)
@@ -453,6 +532,10 @@ void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc
   if (a.prefetch == 0) a.prefetch = a.kind == kQ4 || a.kind == kQ6 ? 4096 : 1024;
   if (a.kind == kBf16 && a.m >= 2) {
     bf16_blocks_small_m(a, nb0, nb1, acc);
+    return;
+  }
+  if (a.kind == kQ4 && a.m >= 3) {
+    q4_blocks_rows(a, nb0, nb1, acc);
     return;
   }
   const TileFn(*table)[4] = a.kind == kBf16 ? kBf16Tiles
