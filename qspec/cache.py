@@ -15,6 +15,7 @@ half of one; a process that has a removed file memory-mapped keeps reading it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 import uuid
@@ -24,6 +25,7 @@ from pathlib import Path
 from .errors import QspecError
 
 DAY = 86400.0
+_PACKED_NAME = re.compile(r"^(.*)-[0-9a-f]{16}\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,8 @@ def entries(root: Path | None = None) -> list[Entry]:
             continue
         found.append(Entry(p.name, "model", _tree_size(p), p.stat().st_mtime, p))
     for f in packed_files(root / "packed"):
-        stem, _, kind = f.name[: -len(SUFFIX)].partition(".")
-        name = stem.rsplit("-", 1)[0]  # <model folder>-<hash of its path>
+        m = _PACKED_NAME.match(f.name[: -len(SUFFIX)])  # <model folder>-<hash of its path>.<kind>
+        name, kind = (m.group(1), m.group(2)) if m else (f.name, "?")
         found.append(Entry(name, f"packed {kind}", f.stat().st_size, f.stat().st_mtime, f))
     peer = root / "peer"
     for f in sorted(peer.iterdir()) if peer.is_dir() else ():
