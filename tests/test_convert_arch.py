@@ -190,7 +190,8 @@ def assert_same_tokenizer(folder: Path, gguf_file: str, out: Path, strings=STRIN
 @pytest.mark.parametrize("arch,hf_class,tied", [("gemma3", "Gemma3ForCausalLM", True),
                                                 ("qwen3", "Qwen3ForCausalLM", True),
                                                 ("qwen3", "Qwen3ForCausalLM", False),
-                                                ("phi3", "Phi3ForCausalLM", False)])
+                                                ("phi3", "Phi3ForCausalLM", False),
+                                                ("llama", "LlamaForCausalLM", False)])  # SentencePiece llama
 def test_tiny_model_matches_transformers_gguf_loader(tmp_path, arch, hf_class, tied):
     transformers = pytest.importorskip("transformers")
     src = tmp_path / f"tiny-{arch}.gguf"
@@ -226,6 +227,21 @@ def test_tiny_model_matches_transformers_gguf_loader(tmp_path, arch, hf_class, t
         assert (ours(x).logits - reference(x).logits).abs().max().item() <= LOGITS_ATOL_SAME_WEIGHTS
 
     assert_same_tokenizer(tmp_path, src.name, out)
+
+
+def test_base_model_has_no_chat_template(tmp_path):
+    """A GGUF without tokenizer.chat_template (gemma3-270m is a base model): none is written, so
+    generate completes the raw prompt (chat=None uses a template only when the model has one)."""
+    from qspec.tokenizer import Tokenizer
+
+    src = tmp_path / "g.gguf"
+    write_tiny(src, "gemma3")
+    out = convert_gguf(src, tmp_path / "out", progress=False)
+    tok = Tokenizer(out)
+    assert tok.chat_template is None
+    assert tok.encode("hello world") == [2] + tok.encode("hello world", add_special_tokens=False)
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.encode_chat("hello")
 
 
 def test_gemma_norms_lose_llama_cpps_plus_one(tmp_path):
