@@ -26,8 +26,8 @@ QSPEC_NO_WEIGHT_CACHE=1; deleting the directory is always safe.
 Size cap, least recently used out: every load that maps a cache file sets its mtime to now (the
 last use, recorded by qspec itself: atime is unreliable under noatime/relatime). After each write
 the oldest files are deleted until the folder holds at most QSPEC_CACHE_MAX_GB GiB (default
-DEFAULT_MAX_GB: about four times the packed files of the largest known model,
-qwen2.5-coder-1.5b, target + MXFP4 draft ~3.7 GiB); the checkpoint being loaded keeps its files
+DEFAULT_MAX_GB: over four times the packed files of the largest known model,
+qwen2.5-coder-1.5b: target 2.88 GiB + MXFP4 draft 0.76 GiB); the checkpoint being loaded keeps its files
 even when they alone exceed the cap. A process that has a deleted file mapped keeps reading it.
 """
 
