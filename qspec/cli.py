@@ -386,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _build_parser().parse_args(argv)
     commands = {"generate": _cmd_generate, "serve": _cmd_serve, "fetch": _cmd_fetch, "cache": _cmd_cache,
-                "convert": _cmd_convert,
-                "quantize": _cmd_quantize, "info": _cmd_info, "bench": _cmd_bench}
+                "convert": _cmd_convert, "quantize": _cmd_quantize, "info": _cmd_info, "bench": _cmd_bench}
     code = 1
     if getattr(args, "no_fetch", False):  # the environment reaches helper models and tensor-parallel ranks
         os.environ[OFFLINE_ENV] = "1"

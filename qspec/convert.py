@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from qspec.errors import ModelLoadError
-from qspec.gguf_arch import ARCHS, arch_config, expected_shapes, field, hf_name, require
+from qspec.gguf_arch import ARCHS, arch_config, expected_shapes, field, gguf_name, hf_name, require
 from qspec.gguf_tokenizer import build_tokenizer
 
 SHARD_BYTES = 4 * 1024**3  # one safetensors file up to this size, then shards
@@ -217,7 +217,8 @@ def _plan_tensors(src: _Source) -> list[tuple[object, str]]:
         plan.append((t, name))
     if expected:
         missing = sorted(expected)[0]
-        raise ModelLoadError(f"{src.path.name}: tensor for {missing} is missing ({len(expected)} missing)")
+        raise ModelLoadError(f"{src.path.name}: tensor {gguf_name(src.arch, missing)} (HF {missing}) is missing "
+                             f"({len(expected)} missing)")
     if hp["num_hidden_layers"] and src.arch == "qwen2":
         has_bias = any(n.endswith("q_proj.bias") for _, n in plan)
         if not has_bias:

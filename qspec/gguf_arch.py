@@ -94,6 +94,16 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
     raise ModelLoadError(f"unexpected GGUF tensor {gguf_name}")
 
 
+def gguf_name(arch: str, hf: str) -> str:
+    """The GGUF name of HF tensor `hf` (the inverse of hf_name)."""
+    for g, h in GLOBAL_TENSORS.items():
+        if h == hf:
+            return g
+    _, _, i, rest = hf.split(".", 3)  # model.layers.N.<module>.<weight|bias>
+    module, _, suffix = rest.rpartition(".")
+    return next(f"blk.{i}.{g}.{suffix}" for g, h in ARCHS[arch].layer_tensors.items() if h == module)
+
+
 def expected_shapes(arch: str, hp: dict) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every weight the architecture must provide (biases are checked where
     present)."""

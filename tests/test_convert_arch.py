@@ -1,8 +1,8 @@
 """GGUF import of gemma3, qwen3, phi3 and smollm3 (qspec/gguf_arch.py) and of SentencePiece
 vocabularies (qspec/gguf_tokenizer.py).
 
-The reference is transformers' own GGUF loader (load_gguf_checkpoint / AutoTokenizer with
-gguf_file=...), which maps names, subtracts Gemma's +1 from the norms and builds the tokenizer
+The reference is transformers' own GGUF loader (AutoConfig / AutoTokenizer.from_pretrained(
+folder, gguf_file=...) and load_gguf_checkpoint, the weight path of AutoModelForCausalLM's), which maps names, subtracts Gemma's +1 from the norms and builds the tokenizer
 by itself: tiny random GGUFs written here with the gguf package, and (slow) the real
 gemma3-270m GGUF when it is at hand. smollm3, which transformers cannot load from a GGUF, is
 checked against the llama import of the same tensors (llama.cpp permutes Q/K for both).
@@ -88,7 +88,8 @@ def write_tiny(path: Path, arch: str, seed: int = 0, drop: str | None = None, re
 
     rng = np.random.default_rng(seed)
     c = TINY
-    d, f, hd = c["dim"], c["ffn"], c["head_dim"]
+    # transformers' GGUF config for qwen3 ignores attention.key_length (Qwen3's head_dim is 128)
+    d, f, hd = c["dim"], c["ffn"], 128 if arch == "qwen3" else c["head_dim"]
     sizes = {"d": d, "f": f, "2f": 2 * f, "hd": hd, "q": c["heads"] * hd, "kv": c["kv_heads"] * hd,
              "qkv": (c["heads"] + 2 * c["kv_heads"]) * hd}
     w = GGUFWriter(str(path), arch)
@@ -158,14 +159,23 @@ def write_tiny(path: Path, arch: str, seed: int = 0, drop: str | None = None, re
     w.close()
 
 
-def reference_state(src: Path, model_class, config):
-    """transformers' GGUF load of `src` into `model_class(config)`, rounded to BF16 like ours."""
+def reference_model(src: Path):
+    """transformers' own GGUF load of `src`, with every weight rounded to BF16 as ours are; and
+    its state dict. AutoModelForCausalLM.from_pretrained(folder, gguf_file=...) needs accelerate,
+    which qspec does not depend on; it is these two steps: the config from the GGUF, then
+    load_gguf_checkpoint's dequantized, renamed, norm-shifted tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    config = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
     with torch.device("meta"):
-        reference = model_class(config)
-    state = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=reference)["tensors"]
-    return {k: torch.as_tensor(v, dtype=torch.float32).bfloat16().float() for k, v in state.items()}
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(src), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(
+        {k: torch.as_tensor(v, dtype=torch.float32).bfloat16().float() for k, v in tensors.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: follows the embedding
+    return model, model.state_dict()
 
 
 def assert_same_tokenizer(folder: Path, gguf_file: str, out: Path, strings=STRINGS):
@@ -201,13 +211,13 @@ def test_tiny_model_matches_transformers_gguf_loader(tmp_path, arch, hf_class, t
     assert config["architectures"] == [hf_class] and config["tie_word_embeddings"] is tied
 
     ours = getattr(transformers, hf_class).from_pretrained(out, dtype=torch.float32).eval()
-    state = reference_state(src, getattr(transformers, hf_class), ours.config)
+    reference, state = reference_model(src)
     mine = ours.state_dict()
-    assert set(state) == set(mine) - ({"lm_head.weight"} if tied else set())
+    assert set(state) == set(mine)
     for name, value in state.items():
         assert torch.equal(mine[name], value), name
 
-    theirs = transformers.AutoConfig.from_pretrained(str(tmp_path), gguf_file=src.name)
+    theirs = reference.config
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "vocab_size",
                 "tie_word_embeddings", "layer_types", "sliding_window", "rope_parameters"):
@@ -217,11 +227,9 @@ def test_tiny_model_matches_transformers_gguf_loader(tmp_path, arch, hf_class, t
         assert config["query_pre_attn_scalar"] == TINY["head_dim"] == ours.config.head_dim
         assert ours.config.hidden_activation == "gelu_pytorch_tanh"
         assert ours.config.layer_types == ["sliding_attention", "sliding_attention"]
+        reference = getattr(transformers, hf_class)(ours.config).eval()  # its forward with our config
+        reference.load_state_dict(state)
 
-    reference = getattr(transformers, hf_class)(ours.config).eval()
-    reference.load_state_dict(state, strict=False)  # a tied lm_head follows embed_tokens
-    if tied:
-        reference.tie_weights()
     x = torch.tensor([[2, 280, 290, 300, 270, 1]])
     with torch.no_grad():
         assert (ours(x).logits - reference(x).logits).abs().max().item() <= LOGITS_ATOL_SAME_WEIGHTS
@@ -281,8 +289,10 @@ def test_smollm3_is_llama_with_its_layer_pattern(tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(drop="blk.1.post_ffw_norm.weight"), r"tensor for model\.layers\.1\.post_feedforward_layernorm\.weight is missing"),
-    (dict(drop="blk.0.attn_q_norm.weight"), r"tensor for model\.layers\.0\.self_attn\.q_norm\.weight is missing"),
+    (dict(drop="blk.1.post_ffw_norm.weight"), r"^bad\.gguf: tensor blk\.1\.post_ffw_norm\.weight "
+                                              r"\(HF model\.layers\.1\.post_feedforward_layernorm\.weight\) is missing \(1 missing\)$"),
+    (dict(drop="blk.0.attn_q_norm.weight"), r"tensor blk\.0\.attn_q_norm\.weight \(HF model\.layers\.0\.self_attn\.q_norm"),
+    (dict(drop="output_norm.weight"), r"tensor output_norm\.weight \(HF model\.norm\.weight\) is missing"),
     (dict(reshape="blk.0.ffn_gate.weight"), r"^tensor blk\.0\.ffn_gate\.weight has shape \[65, 32\], config implies \[64, 32\]$"),
 ])
 def test_missing_or_misshaped_tensor_is_one_line(tmp_path, change, match):
@@ -354,14 +364,14 @@ def test_real_gemma3_weights_and_config_match_transformers(real_gemma):
     assert config["layer_types"].count("full_attention") == 3 and "chat_template" not in json.loads(
         (out / "tokenizer_config.json").read_text())
     ours = transformers.Gemma3ForCausalLM.from_pretrained(out, dtype=torch.float32)
-    theirs = transformers.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    reference, state = reference_model(src)
+    theirs = reference.config
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "max_position_embeddings", "rms_norm_eps", "vocab_size", "tie_word_embeddings",
                 "layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar", "hidden_activation",
                 "final_logit_softcapping", "attn_logit_softcapping"):
         assert getattr(ours.config, key) == getattr(theirs, key), key
-    state = reference_state(src, transformers.Gemma3ForCausalLM, ours.config)
     mine = ours.state_dict()
-    assert set(state) == set(mine) - {"lm_head.weight"}
+    assert set(state) == set(mine)
     for name, value in state.items():
         assert torch.equal(mine[name], value), name
