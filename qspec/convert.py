@@ -9,9 +9,12 @@ Choices:
   rounded to BF16 (round-to-nearest-even, torch). Norm weights too: HF checkpoints such as
   SmolLM2 store them in BF16, one dtype per file keeps the loader simple, and the model loader
   upcasts norms to fp32 anyway.
-- llama.cpp's converter interleaves the rows of q_proj / k_proj for the `llama` architecture
-  (RoPE on adjacent pairs instead of HF's halves); `unpermute_qk` undoes it. `qwen2` is stored
-  unpermuted by llama.cpp, so it is copied as is.
+- Architectures (qspec/gguf_arch.py): llama, qwen2, qwen3, smollm3, gemma3 (text), phi3.
+  llama.cpp's converter interleaves the rows of q_proj / k_proj for `llama` and `smollm3` (RoPE
+  on adjacent pairs instead of HF's halves); `unpermute_qk` undoes it. It stores Gemma's norm
+  weights as 1 + w; the import subtracts the 1 again (in float32, before rounding to BF16).
+- The tokenizer (qspec/gguf_tokenizer.py): byte-level BPE or SentencePiece, rebuilt as
+  transformers' GGUF loader builds it.
 - Writing is atomic: everything goes into a temp directory beside OUT_DIR, then one rename.
 """
 
@@ -31,54 +34,11 @@ import numpy as np
 import torch
 
 from qspec.errors import ModelLoadError
+from qspec.gguf_arch import ARCHS, arch_config, expected_shapes, field, gguf_name, hf_name, require
+from qspec.gguf_tokenizer import build_tokenizer
 
 SHARD_BYTES = 4 * 1024**3  # one safetensors file up to this size, then shards
 BF16_BYTES = 2
-
-# GGUF architecture -> (HF architecture class, HF model_type, llama.cpp permuted Q/K rows)
-SUPPORTED_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-}
-
-# Pre-tokenizer regexes of the BPE tokenizers we rebuild, keyed by tokenizer.ggml.pre.
-# GPT-2's pattern is the one tokenizers' ByteLevel(use_regex=True) applies itself.
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2_PRE = {"default", "gpt-2", "gpt2"}
-# llama.cpp splits every digit on its own, then applies GPT-2's pattern (StarCoder family).
-_DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "codeshell"}
-_SPLIT_PRE = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}
-
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# Tensors llama.cpp adds that HF recomputes: RoPE frequency factors (mapped to rope_scaling).
-_SKIPPED_TENSORS = {"rope_freqs.weight"}
-
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row interleave for one projection (weight [rows, K] or bias [rows]).
@@ -129,53 +89,35 @@ def _open_gguf(path: Path):
     return reader
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    try:
-        value = field.contents()
-    except (ValueError, IndexError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"GGUF metadata key {key} is unreadable ({e})") from None
-    return value
-
-
-def _require(reader, key: str):
-    value = _field(reader, key)
-    if value is None:
-        raise ModelLoadError(f"GGUF metadata key {key} is missing")
-    return value
-
-
 def _read_source(path: Path) -> _Source:
     reader = _open_gguf(path)
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch is None:
         raise ModelLoadError(f"{path.name}: GGUF metadata general.architecture is missing")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    if arch not in ARCHS:
+        supported = ", ".join(sorted(ARCHS))
         raise ModelLoadError(f"unsupported GGUF architecture '{arch}' (supported: {supported})")
 
     a = arch
-    n_embd = int(_require(reader, f"{a}.embedding_length"))
-    n_head = int(_require(reader, f"{a}.attention.head_count"))
-    n_head_kv = int(_field(reader, f"{a}.attention.head_count_kv", n_head))
-    head_dim = int(_field(reader, f"{a}.attention.key_length", n_embd // n_head))
+    n_embd = int(require(reader, f"{a}.embedding_length"))
+    n_head = int(require(reader, f"{a}.attention.head_count"))
+    n_head_kv = int(field(reader, f"{a}.attention.head_count_kv", n_head))
+    head_dim = int(field(reader, f"{a}.attention.key_length", n_embd // n_head))
     tensor_names = {t.name for t in reader.tensors}
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ModelLoadError(f"{path.name}: tensor token_embd.weight is missing")
-    vocab_size = int(_field(reader, f"{a}.vocab_size", int(embd.shape[-1])))
+    vocab_size = int(field(reader, f"{a}.vocab_size", int(embd.shape[-1])))
     hparams = {
         "hidden_size": n_embd,
-        "intermediate_size": int(_require(reader, f"{a}.feed_forward_length")),
-        "num_hidden_layers": int(_require(reader, f"{a}.block_count")),
+        "intermediate_size": int(require(reader, f"{a}.feed_forward_length")),
+        "num_hidden_layers": int(require(reader, f"{a}.block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_head_kv,
         "head_dim": head_dim,
-        "max_position_embeddings": int(_field(reader, f"{a}.context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(field(reader, f"{a}.context_length", 2048)),
+        "rms_norm_eps": float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(field(reader, f"{a}.rope.freq_base", 10000.0)),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
@@ -187,9 +129,9 @@ def _read_source(path: Path) -> _Source:
 
 def _rope_scaling(reader, a: str, hp: dict) -> dict | None:
     """HF rope_scaling from the GGUF keys, or from llama.cpp's rope_freqs tensor (Llama 3.1+)."""
-    kind = _field(reader, f"{a}.rope.scaling.type")
-    factor = _field(reader, f"{a}.rope.scaling.factor")
-    orig_ctx = _field(reader, f"{a}.rope.scaling.original_context_length")
+    kind = field(reader, f"{a}.rope.scaling.type")
+    factor = field(reader, f"{a}.rope.scaling.factor")
+    orig_ctx = field(reader, f"{a}.rope.scaling.original_context_length")
     if kind in ("linear", "yarn") and factor:
         scaling = {"rope_type": kind, "factor": float(factor)}
         if kind == "yarn" and orig_ctx:
@@ -252,49 +194,14 @@ def _dequantize(tensor) -> np.ndarray:
         raise ModelLoadError(f"tensor {tensor.name} is corrupt ({e})") from None
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    if gguf_name in _SKIPPED_TENSORS:
-        return None
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name}")
-
-
-def _expected_shapes(src: _Source) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape every supported model must provide (biases are checked where present)."""
-    hp = src.hparams
-    d, f, v = hp["hidden_size"], hp["intermediate_size"], hp["vocab_size"]
-    q, kv = hp["num_attention_heads"] * hp["head_dim"], hp["num_key_value_heads"] * hp["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not hp["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, d)
-    for i in range(hp["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, q),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-        })
-    return shapes
-
-
 def _plan_tensors(src: _Source) -> list[tuple[object, str]]:
     """(gguf tensor, HF name) for every tensor written, validated against the config."""
     hp = src.hparams
-    expected = _expected_shapes(src)
+    expected = expected_shapes(src.arch, hp)
     all_shapes = dict(expected)
     plan = []
     for t in src.reader.tensors:
-        name = _hf_name(t.name)
+        name = hf_name(src.arch, t.name)
         if name is None:
             continue
         shape = tuple(int(x) for x in reversed(t.shape))
@@ -310,7 +217,8 @@ def _plan_tensors(src: _Source) -> list[tuple[object, str]]:
         plan.append((t, name))
     if expected:
         missing = sorted(expected)[0]
-        raise ModelLoadError(f"{src.path.name}: tensor for {missing} is missing ({len(expected)} missing)")
+        raise ModelLoadError(f"{src.path.name}: tensor {gguf_name(src.arch, missing)} (HF {missing}) is missing "
+                             f"({len(expected)} missing)")
     if hp["num_hidden_layers"] and src.arch == "qwen2":
         has_bias = any(n.endswith("q_proj.bias") for _, n in plan)
         if not has_bias:
@@ -320,11 +228,13 @@ def _plan_tensors(src: _Source) -> list[tuple[object, str]]:
 
 def _to_hf_tensor(src: _Source, tensor, name: str) -> torch.Tensor:
     values = _dequantize(tensor)
-    permuted, hp = SUPPORTED_ARCHITECTURES[src.arch][2], src.hparams
-    if permuted and ".self_attn.q_proj." in name:
+    arch, hp = ARCHS[src.arch], src.hparams
+    if arch.permuted_qk and ".self_attn.q_proj." in name:
         values = unpermute_qk(values, hp["num_attention_heads"])
-    elif permuted and ".self_attn.k_proj." in name:
+    elif arch.permuted_qk and ".self_attn.k_proj." in name:
         values = unpermute_qk(values, hp["num_key_value_heads"])
+    elif arch.norm_shift and tensor.name.endswith("norm.weight"):  # llama.cpp stored 1 + w
+        values -= np.float32(arch.norm_shift)
     # torch's float32 -> bfloat16 cast rounds to nearest even.
     return torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16)
 
@@ -372,72 +282,6 @@ def _write_weights(src: _Source, plan, out: Path, progress: bool) -> None:
         _write_json(out / "model.safetensors.index.json", index)
 
 
-def _token_strings(reader) -> tuple[list[str], list[int]]:
-    tokens = _require(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ModelLoadError("GGUF tokenizer.ggml.token_type and tokens differ in length")
-    return list(tokens), [int(x) for x in types]
-
-
-def _pre_tokenizer(pre: str):
-    from tokenizers import Regex, pre_tokenizers
-
-    if pre in _GPT2_PRE:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    if pre in _SPLIT_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    raise ModelLoadError(f"unsupported GGUF tokenizer pre-tokenizer '{pre}'")
-
-
-def _build_tokenizer(reader, add_bos: bool, add_eos: bool, bos_id, eos_id):
-    """tokenizers.Tokenizer equivalent to llama.cpp's BPE vocab (tokenizer.ggml.model = gpt2)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
-    kind = _require(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(f"unsupported GGUF tokenizer model '{kind}' (only BPE 'gpt2' is supported)")
-    tokens, types = _token_strings(reader)
-    merges = [tuple(m.split(" ", 1)) for m in _require(reader, "tokenizer.ggml.merges")]
-    if any(len(m) != 2 for m in merges):
-        raise ModelLoadError("GGUF tokenizer.ggml.merges has an entry without a space")
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ModelLoadError("GGUF tokenizer vocabulary has duplicate tokens")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
-    tok.decoder = decoders.ByteLevel()
-    added = [
-        AddedToken(t, special=(ty == _TOKEN_TYPE_CONTROL), normalized=False)
-        for t, ty in zip(tokens, types)
-        if ty in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
-    ]
-    tok.add_tokens(added)
-    if added:  # add_tokens keeps the existing ids; only order/specialness matter
-        tok.add_special_tokens([a for a in added if a.special])
-    single, pair, special = "$A", "$A:0 $B:1", []
-    if add_bos and bos_id is not None:
-        single, pair = f"{tokens[bos_id]} {single}", f"{tokens[bos_id]} $A:0 {tokens[bos_id]}:1 $B:1"
-        special.append((tokens[bos_id], bos_id))
-    if add_eos and eos_id is not None:
-        single, pair = f"{single} {tokens[eos_id]}", f"{pair} {tokens[eos_id]}:1"
-        special.append((tokens[eos_id], eos_id))
-    if special:
-        tok.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=list(dict.fromkeys(special)))
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tok, tokens
-
-
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -446,32 +290,28 @@ def _write_tokenizer_and_configs(src: _Source, out: Path) -> None:
     reader, hp = src.reader, src.hparams
     ids = {
         k: (None if v is None else int(v)) for k, v in {
-            "bos": _field(reader, "tokenizer.ggml.bos_token_id"),
-            "eos": _field(reader, "tokenizer.ggml.eos_token_id"),
-            "unk": _field(reader, "tokenizer.ggml.unknown_token_id"),
-            "pad": _field(reader, "tokenizer.ggml.padding_token_id"),
+            "bos": field(reader, "tokenizer.ggml.bos_token_id"),
+            "eos": field(reader, "tokenizer.ggml.eos_token_id"),
+            "unk": field(reader, "tokenizer.ggml.unknown_token_id"),
+            "pad": field(reader, "tokenizer.ggml.padding_token_id"),
         }.items()
     }
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
-    tok, tokens = _build_tokenizer(reader, add_bos, add_eos, ids["bos"], ids["eos"])
+    tok, tokens, add_bos, add_eos = build_tokenizer(reader, src.arch, ids)
     for k, v in ids.items():
         if v is not None and not 0 <= v < len(tokens):
             raise ModelLoadError(f"GGUF tokenizer.ggml.{k}_token_id {v} is outside the vocabulary")
     tok.save(str(out / "tokenizer.json"))
 
-    hf_class, model_type, _ = SUPPORTED_ARCHITECTURES[src.arch]
+    arch = ARCHS[src.arch]
+    has_bias = any(t.name.endswith(".attn_q.bias") for t in reader.tensors)
     config = {
-        "architectures": [hf_class],
-        "model_type": model_type,
-        "hidden_act": "silu",
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
         **hp,
+        **arch_config(reader, src.arch, hp, has_bias, lambda name: _tensor_values(reader, name)),
         "torch_dtype": "bfloat16",
         "qspec_source": {"file": src.path.name, "size": src.path.stat().st_size},
     }
-    if model_type == "llama":  # some llama-architecture models carry q/k/v/o biases
-        has_bias = any(t.name.endswith(".attn_q.bias") for t in reader.tensors)
-        config.update(attention_bias=has_bias, mlp_bias=False)
     for k in ("bos", "eos", "pad"):
         if ids[k] is not None:
             config[f"{k}_token_id"] = ids[k]
@@ -487,13 +327,18 @@ def _write_tokenizer_and_configs(src: _Source, out: Path) -> None:
     for k in ("bos", "eos", "unk", "pad"):
         if ids[k] is not None:
             tok_config[f"{k}_token"] = tokens[ids[k]]
-    template = _field(reader, "tokenizer.chat_template")
+    template = field(reader, "tokenizer.chat_template")
     if template:
         tok_config["chat_template"] = template
     _write_json(out / "tokenizer_config.json", tok_config)
 
     gen = {k + "_token_id": ids[k] for k in ("bos", "eos", "pad") if ids[k] is not None}
     _write_json(out / "generation_config.json", gen)
+
+
+def _tensor_values(reader, name: str) -> np.ndarray | None:
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    return None if tensor is None else _dequantize(tensor)
 
 
 def _is_nonempty_dir(p: Path) -> bool:

@@ -349,7 +349,8 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
          draft_lm_head: str | None = None, cache: bool | None = None,
          draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None) -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
-    (`qspec fetch --list`), or a Hugging Face model directory.
+    (`qspec fetch --list`; fetched on first use unless QSPEC_OFFLINE=1), or a Hugging Face model
+    directory.
 
     `draft`: "auto" (the measured default format), an MX format name, "ngram" (prompt lookup,
     no weights), or None for no draft.

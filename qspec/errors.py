@@ -17,9 +17,10 @@ class PromptTooLongError(QspecError, ValueError):
     """The prompt plus the requested new tokens do not fit in the model's context."""
 
 
-class FetchError(QspecError):
-    """`qspec fetch`: an unknown model name, a failed download, wheels of the wrong size or
-    checksum, or a write error (a full disk) while fetching or converting."""
+class FetchError(ModelLoadError):
+    """`qspec fetch` (or a known model fetched on first use): an unknown model name, a failed
+    download, wheels of the wrong size or checksum, or a write error (a full disk) while fetching
+    or converting. A ModelLoadError: a model that cannot be fetched cannot be loaded."""
 
 
 class TensorParallelError(QspecError):

