@@ -164,7 +164,8 @@ def build_tokenizer(reader, arch: str, ids: dict):
     elif kind == "llama":
         tok, tokens = _spm_tokenizer(reader, arch)
     else:
-        raise ModelLoadError(f"unsupported GGUF tokenizer model '{kind}' (supported: gpt2 (BPE), llama (SentencePiece))")
+        raise ModelLoadError(
+            f"unsupported GGUF tokenizer model '{kind}' (supported: gpt2 (BPE), llama (SentencePiece))")
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(field(reader, "tokenizer.ggml.add_eos_token", False))
     bos_id, eos_id = ids.get("bos"), ids.get("eos")

@@ -45,6 +45,9 @@ def pytest_sessionfinish(session, exitstatus):
             if reporter is not None:
                 reporter.write_line(f"ERROR: {msg}", red=True)
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config):  # called after every configure, even when no session ran
     if _TEMP_CACHE is not None:
         shutil.rmtree(_TEMP_CACHE, ignore_errors=True)
 

