@@ -325,7 +325,7 @@ AttnArgs probe_args(int64_t head_dim) {
 
 py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
                                 std::optional<float> scale, std::optional<std::string> path,
-                                std::optional<std::pair<int64_t, py::object>> tree) {
+                                std::optional<std::pair<int64_t, py::object>> tree, int64_t window) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -367,6 +367,8 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
                                 " exceed max_seq " + std::to_string(a.kv.max_seq));
   a.scale = scale ? *scale : 1.f / std::sqrt(float(a.kv.head_dim));
   if (!std::isfinite(a.scale)) throw std::invalid_argument("attention: scale must be finite");
+  if (window < 0) throw std::invalid_argument("attention: window must be >= 0");
+  a.window = window;
   std::optional<AttnTreePaths> paths;
   if (tree) {
     auto par = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tree->second);
@@ -396,11 +398,12 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
 void bind_attention(py::module_& m) {
   m.def("attention", &attention_py, py::arg("q"), py::arg("kv"), py::arg("layer"),
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
-        py::arg("tree") = py::none(),
+        py::arg("tree") = py::none(), py::arg("window") = 0,
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
-        "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree)");
+        "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree); window > 0: sliding "
+        "window, a row at position p attends keys p - window + 1 .. p");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

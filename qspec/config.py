@@ -18,9 +18,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model (text_config), see from_dict
     "Phi3ForCausalLM": "phi3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# Gemma3ForConditionalGeneration: its text_config is read as a Gemma3ForCausalLM (the image tower is
+# not loaded); the Hub's text_config lists only what differs from these (Gemma3TextConfig's defaults).
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                        "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+                        "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                        "tie_word_embeddings": True}
 
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "vocab_size")
@@ -62,6 +71,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
+        if "Gemma3ForConditionalGeneration" in archs and isinstance(d.get("text_config"), dict):
+            d = {**GEMMA3_TEXT_DEFAULTS,
+                 **{k: d[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in d},
+                 **d["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+            archs = d["architectures"]
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and d.get("model_type") == "gemma3_text":
             arch = "gemma3"

@@ -187,6 +187,7 @@ _NORMS_SANDWICH = dict(_NORMS_QK, post_attn_norm="post_attention_layernorm.weigh
                        mlp_norm="pre_feedforward_layernorm.weight",
                        post_mlp_norm="post_feedforward_layernorm.weight")
 FUSED_QKV, FUSED_GATE_UP = "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"  # Phi-3
+MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
 
 def layer_norm_names(cfg: ModelConfig) -> dict[str, str]:
@@ -199,10 +200,13 @@ def load_weights(model_dir: Path, cfg: ModelConfig, torch_threads: int | None = 
     it is first used (`torch_threads`: torch's thread count, set when torch is first needed).
     Phi-3's fused qkv_proj / gate_up_proj are split into the q, k, v and gate, up rows here."""
     ck = Checkpoint(model_dir, torch_threads)
+    # the decoder's tensors: model.* (a causal LM); a Gemma 3 multimodal checkpoint holds them
+    # under model.language_model.* (transformers 5) or language_model.model.* (the Hub's)
+    base = next((b for b in MODEL_PREFIXES if b + "embed_tokens.weight" in ck), "model.")
     D, hd, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
     norms = layer_norm_names(cfg)
-    fused = cfg.fused_checkpoint and "model.layers.0." + FUSED_QKV in ck
+    fused = cfg.fused_checkpoint and base + "layers.0." + FUSED_QKV in ck
     layer_shapes = {name: ((hd,) if field in ("q_norm", "k_norm") else (D,)) for field, name in norms.items()}
     if fused:
         layer_shapes.update({FUSED_QKV: (q_out + 2 * kv_out, D), FUSED_GATE_UP: (2 * F, D)})
@@ -214,9 +218,9 @@ def load_weights(model_dir: Path, cfg: ModelConfig, torch_threads: int | None = 
     if cfg.attention_bias:
         layer_shapes.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
                              "self_attn.v_proj.bias": (kv_out,)})
-    expected = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    expected = {base + "embed_tokens.weight": (cfg.vocab_size, D), base + "norm.weight": (D,)}
     for i in range(cfg.n_layers):
-        expected.update({f"model.layers.{i}.{k}": v for k, v in layer_shapes.items()})
+        expected.update({f"{base}layers.{i}.{k}": v for k, v in layer_shapes.items()})
     untied = not cfg.tie_word_embeddings
     if untied:
         expected["lm_head.weight"] = (cfg.vocab_size, D)
@@ -238,7 +242,7 @@ def load_weights(model_dir: Path, cfg: ModelConfig, torch_threads: int | None = 
         return 1.0 + w if cfg.norm_plus_one else w  # Gemma: (1 + w) in fp32, as transformers
 
     def read_layer(i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
+        p = f"{base}layers.{i}."
         bias = cfg.attention_bias
         if fused:
             qkv, gu = get(p + FUSED_QKV, bf16), get(p + FUSED_GATE_UP, bf16)
@@ -258,8 +262,8 @@ def load_weights(model_dir: Path, cfg: ModelConfig, torch_threads: int | None = 
         )
 
     return CheckpointWeights(layers=_Layers(read_layer, cfg.n_layers),
-                             read_embed=lambda: get("model.embed_tokens.weight", bf16),
-                             read_norm=lambda: get_norm("model.norm.weight"),
+                             read_embed=lambda: get(base + "embed_tokens.weight", bf16),
+                             read_norm=lambda: get_norm(base + "norm.weight"),
                              read_lm_head=(lambda: get("lm_head.weight", bf16)) if untied else None)
 
 

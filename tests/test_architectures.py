@@ -233,3 +233,32 @@ def test_tensor_parallel_shards_keep_norms_whole(family):
         for k in small_names(cfg):
             assert np.array_equal(packed[f"layers.0.{k}"], getattr(w.layers[0], k).numpy()), (model_type, k)
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == [ARCH[model_type]]
+
+
+@torch.inference_mode()
+def test_gemma3_multimodal_checkpoint_reads_its_text_model(tmp_path):
+    """Gemma3ForConditionalGeneration: the text model of the checkpoint (model.language_model.*),
+    its config from text_config; the image tower is not loaded. Logits of a text-only prompt."""
+    text = _hf_config("gemma3_text").to_dict()
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                            boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+                                            image_token_index=VOCAB - 1)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    ids = _ids(60)
+    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager").eval()(torch.tensor([ids])).logits[0]
+    save_tiny("gemma3_text", tmp_path / "tok")  # for its tokenizer.json
+    (tmp_path / "tokenizer.json").write_bytes((tmp_path / "tok" / "tokenizer.json").read_bytes())
+    eng = qspec.load(tmp_path, draft=None)
+    assert eng.cfg.arch == "gemma3" and eng.cfg.vocab_size == ref.shape[-1]
+    eng.backend.kv.ensure_capacity(len(ids))
+    ours = torch.from_numpy(eng.backend.forward(ids, 0, all_logits=True))
+    assert (ours - ref).abs().max().item() <= LOGITS_RTOL * ref.abs().max().item()
