@@ -38,7 +38,7 @@ FAMILIES = {
     "qwen3": dict(head_dim=32, use_sliding_window=True, sliding_window=24, max_window_layers=1,
                   tie_word_embeddings=False),
     "smollm3": dict(no_rope_layers=[1, 0, 1], tie_word_embeddings=True),
-    "gemma3_text": dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=1, head_dim=256,
+    "gemma3_text": dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
                         sliding_window=24, query_pre_attn_scalar=48, hidden_activation="gelu_pytorch_tanh",
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -217,6 +217,16 @@ def test_unsupported_family_options_are_refused(change, words):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=[] if t == "gemma3_text" else pytest.mark.slow)
+                                        for t in FAMILIES])
+def test_tensor_parallel_two_ranks(tmp_path, model_type):
+    """2 ranks against 1 process (tests/test_tp.py's suite): logits within rounding, batch
+    invariance, greedy speculative (chain, tree) == greedy plain under TP."""
+    from test_tp import check_suite, run_worker
+
+    check_suite(run_worker("suite", save_tiny(model_type, tmp_path), 2))
+
+
 def test_tensor_parallel_shards_keep_norms_whole(family):
     """Per-head q/k norms and Gemma's output norms are replicated on every rank; the q/k/v rows
     split by heads (qspec/parallel/shard.py)."""
@@ -228,7 +238,7 @@ def test_tensor_parallel_shards_keep_norms_whole(family):
     cfg = ModelConfig.from_file(model_dir / "config.json")
     w = load_weights(model_dir, cfg)
     for rank in range(2):
-        shard = Shard.plan(cfg, rank, 2) if cfg.n_kv_heads % 2 == 0 else Shard.plan(cfg)
+        shard = Shard.plan(cfg, rank, 2)
         packed = dict(pack_target(w, shard))
         for k in small_names(cfg):
             assert np.array_equal(packed[f"layers.0.{k}"], getattr(w.layers[0], k).numpy()), (model_type, k)
