@@ -52,8 +52,9 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   const float* q = a.q + (i * a.n_heads + h) * hd;
   float* out = a.out + (i * a.n_heads + h) * hd;
 
+  const int64_t lo = attn_key_lo(a, i);
   float max_s = -INFINITY;
-  for (int64_t j = 0; j <= p; ++j) {
+  for (int64_t j = lo; j <= p; ++j) {
     const uint16_t* k = a.kv.k(a.layer, attn_key_slot(a, i, j)) + kvh * hd;
     float dot = 0.f;
     for (int64_t d = 0; d < hd; ++d) dot += q[d] * bf16_to_f32(k[d]);
@@ -61,12 +62,12 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
     if (scores[j] > max_s) max_s = scores[j];
   }
   float sum = 0.f;
-  for (int64_t j = 0; j <= p; ++j) {
+  for (int64_t j = lo; j <= p; ++j) {
     scores[j] = std::exp(scores[j] - max_s);
     sum += scores[j];
   }
   for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j <= p; ++j) {
+  for (int64_t j = lo; j <= p; ++j) {
     const uint16_t* v = a.kv.v(a.layer, attn_key_slot(a, i, j)) + kvh * hd;
     for (int64_t d = 0; d < hd; ++d) out[d] += scores[j] * bf16_to_f32(v[d]);
   }
@@ -171,21 +172,22 @@ void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, in
                     float* w) {
   const int64_t hd = a.kv.head_dim;
   const int64_t nseg = (attn_row_pos(a, row) + kAttnSegKeys) / kAttnSegKeys;  // ceil((p + 1) / S)
+  const int64_t s0 = attn_key_lo(a, row) / kAttnSegKeys;  // segments below a window: none
   float big = -INFINITY;
-  for (int64_t s = 0; s < nseg; ++s) {
+  for (int64_t s = s0; s < nseg; ++s) {
     const float ms = part.at(a, row, head, s)[0];
     if (ms > big) big = ms;
   }
   float den = 0.f;
-  for (int64_t s = 0; s < nseg; ++s) {
+  for (int64_t s = s0; s < nseg; ++s) {
     const float* ps = part.at(a, row, head, s);
     w[s] = std::exp(ps[0] - big);
     den += w[s] * ps[1];
   }
   float* out = a.out + (row * a.n_heads + head) * hd;
-  const float* p0 = part.at(a, row, head, 0) + 2;
-  for (int64_t c = 0; c < hd; ++c) out[c] = w[0] * p0[c];
-  for (int64_t s = 1; s < nseg; ++s) {
+  const float* p0 = part.at(a, row, head, s0) + 2;
+  for (int64_t c = 0; c < hd; ++c) out[c] = w[s0] * p0[c];
+  for (int64_t s = s0 + 1; s < nseg; ++s) {
     const float* ps = part.at(a, row, head, s) + 2;
     const float ws = w[s];
     for (int64_t c = 0; c < hd; ++c) out[c] += ws * ps[c];
@@ -221,6 +223,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
       if (r0 == r1 || attn_max_keys(a, r0, r1) <= s * kAttnSegKeys) continue;  // no row reaches s
+      if (attn_min_key_lo(a, r0, r1) >= (s + 1) * kAttnSegKeys) continue;  // s is below every window
       for (int64_t h = 0; h < kvh; ++h) units.push_back({h, r0, r1, s});
     }
   AttnPartials part;
@@ -322,7 +325,7 @@ AttnArgs probe_args(int64_t head_dim) {
 
 py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
                                 std::optional<float> scale, std::optional<std::string> path,
-                                std::optional<std::pair<int64_t, py::object>> tree) {
+                                std::optional<std::pair<int64_t, py::object>> tree, int64_t window) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -364,6 +367,8 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
                                 " exceed max_seq " + std::to_string(a.kv.max_seq));
   a.scale = scale ? *scale : 1.f / std::sqrt(float(a.kv.head_dim));
   if (!std::isfinite(a.scale)) throw std::invalid_argument("attention: scale must be finite");
+  if (window < 0) throw std::invalid_argument("attention: window must be >= 0");
+  a.window = window;
   std::optional<AttnTreePaths> paths;
   if (tree) {
     auto par = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tree->second);
@@ -393,11 +398,12 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
 void bind_attention(py::module_& m) {
   m.def("attention", &attention_py, py::arg("q"), py::arg("kv"), py::arg("layer"),
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
-        py::arg("tree") = py::none(),
+        py::arg("tree") = py::none(), py::arg("window") = 0,
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
-        "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree)");
+        "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree); window > 0: sliding "
+        "window, a row at position p attends keys p - window + 1 .. p");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

@@ -7,6 +7,7 @@
 // Batch invariance (docs/architecture.md invariant 2): the output of query row i is bit-identical
 // whatever m is, whatever the other rows hold and whatever the thread count.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -47,6 +48,13 @@ struct AttnArgs {
   int64_t m = 0, start_pos = 0, n_heads = 0;
   int64_t layer = 0;
   float scale = 0.f;  // usually 1/sqrt(head_dim)
+  // Sliding-window attention (0: off): a row at logical position p attends logical keys
+  // max(0, p - window + 1) .. p only (transformers' sliding_window_overlay: key > p - window).
+  // The keys below are never weighted: the kernels still walk the 256-key segments from key 0
+  // that contain a live key (so the block and segment boundaries, hence the bits, stay those of
+  // position p), set the scores of the keys below the window to -inf and skip whole segments
+  // below it; the result depends only on p and the window, as every other row's does.
+  int64_t window = 0;
   KvCacheView kv;
   const AttnTree* tree = nullptr;  // null: linear rows (row i at position start_pos + i)
 };
@@ -62,6 +70,31 @@ inline int64_t attn_max_keys(const AttnArgs& a, int64_t r0, int64_t r1) {
   for (int64_t i = r0; i < r1; ++i) n = attn_row_pos(a, i) + 1 > n ? attn_row_pos(a, i) + 1 : n;
   return n;
 }
+// First logical key query row i attends (0 without a sliding window).
+inline int64_t attn_key_lo(const AttnArgs& a, int64_t i) {
+  if (a.window <= 0) return 0;
+  const int64_t lo = attn_row_pos(a, i) - a.window + 1;
+  return lo > 0 ? lo : 0;
+}
+// Smallest attn_key_lo of query rows [r0, r1).
+inline int64_t attn_min_key_lo(const AttnArgs& a, int64_t r0, int64_t r1) {
+  if (a.window <= 0) return 0;
+  int64_t lo = attn_key_lo(a, r0);
+  for (int64_t i = r0 + 1; i < r1 && a.tree; ++i) lo = attn_key_lo(a, i) < lo ? attn_key_lo(a, i) : lo;
+  return lo;  // linear rows: positions grow with i
+}
+// Pass 2 of a fast path for one pair over keys [kbeg, n) of a segment, with `lo` its first
+// attended key (kbeg < n, lo < n): sets the scores of keys [kbeg, lo) to -inf and returns the
+// max of the rest, exact (a max does not depend on order); `folded` is the max the pass-1 fold
+// found over all of [kbeg, n), returned as it is when no key is masked.
+inline float attn_window_max(float* scores, int64_t kbeg, int64_t n, int64_t lo, float folded) {
+  if (lo <= kbeg) return folded;
+  float m = -INFINITY;
+  for (int64_t j = kbeg; j < lo; ++j) scores[j] = -INFINITY;
+  for (int64_t j = lo; j < n; ++j) m = scores[j] > m ? scores[j] : m;
+  return m;
+}
+
 // Cache row holding logical key j of query row i.
 inline int64_t attn_key_slot(const AttnArgs& a, int64_t i, int64_t j) {
   return (a.tree && j >= a.tree->prefix) ? a.tree->path[a.tree->off[i] + j - a.tree->prefix] : j;

@@ -3,6 +3,11 @@
 // One call runs M tokens (decode M=1, verify M=K+1, prefill M=prompt) through every layer:
 // embedding -> [RMSNorm -> QKV GEMM -> RoPE -> K/V rows into the cache -> attention -> O GEMM
 // -> RMSNorm -> gate|up GEMM -> SiLU*up -> down GEMM] x L -> RMSNorm -> LM head.
+// Per-architecture options (qspec/config.py says which family sets which): a scale on the
+// embedding; per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3); RMSNorms of the attention
+// and MLP outputs before their residual adds (Gemma 3); GELU(tanh)*up instead of SiLU*up; the
+// attention scale; per layer, which RoPE table it uses (or none: NoPE) and a sliding window;
+// RoPE on the first rope_dim columns of each head only (partial rotary).
 // Weight sets share everything but the GEMM weights: set 0 is the "target" (BF16), sets 1..
 // kWeightSets-1 are MX drafts (level 1 and the draft levels above it, qspec/levels.py).
 // Every step works row by row in a fixed order, so each row's result is independent of M
@@ -88,9 +93,10 @@ void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out) 
   for (int64_t i = 0; i < d; ++i) out[i] = x[i] * r * w[i];
 }
 
-// Rotate-half RoPE (HF Llama): (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) per head.
-void rope(float* x, int64_t heads, int64_t hd, const float* cos, const float* sin) {
-  const int64_t half = hd / 2;
+// Rotate-half RoPE (HF Llama): (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) per head, over the head's
+// first rd columns (rd = hd but for partial rotary; the rest pass through).
+void rope(float* x, int64_t heads, int64_t hd, int64_t rd, const float* cos, const float* sin) {
+  const int64_t half = rd / 2;
   for (int64_t h = 0; h < heads; ++h) {
     float* v = x + h * hd;
     for (int64_t i = 0; i < half; ++i) {
@@ -115,6 +121,14 @@ class Model {
     vocab_ = cfg["vocab_size"].cast<int64_t>();
     lm_rows_ = cfg.contains("lm_head_rows") ? cfg["lm_head_rows"].cast<int64_t>() : vocab_;
     eps_ = cfg["rms_norm_eps"].cast<float>();
+    auto opt = [&](const char* k, auto dflt) { return cfg.contains(k) ? cfg[k].cast<decltype(dflt)>() : dflt; };
+    embed_scale_ = opt("embed_scale", 1.0f);
+    attn_scale_ = opt("attn_scale", 1.0f / std::sqrt(float(hd_)));
+    rope_dim_ = opt("rope_dim", hd_);
+    const std::string act = opt("hidden_act", std::string("silu"));
+    if (act != "silu" && act != "gelu_tanh") throw std::invalid_argument("hidden_act must be silu or gelu_tanh");
+    gelu_ = act == "gelu_tanh";
+    if (rope_dim_ < 2 || rope_dim_ > hd_ || rope_dim_ % 2) throw std::invalid_argument("rope_dim must be even, in [2, head_dim]");
     if (lm_rows_ < 1 || lm_rows_ > vocab_) throw std::invalid_argument("lm_head_rows must be in [1, vocab_size]");
     if (embed.ndim() != 2 || embed.shape(0) != vocab_ || embed.shape(1) != d_)
       throw std::invalid_argument("embed must be uint16 (bf16 bits) [vocab, hidden]");
@@ -123,6 +137,12 @@ class Model {
     attn_norm_.resize(n_layers_);
     mlp_norm_.resize(n_layers_);
     bqkv_.resize(n_layers_);
+    q_norm_.resize(n_layers_);
+    k_norm_.resize(n_layers_);
+    post_attn_norm_.resize(n_layers_);
+    post_mlp_norm_.resize(n_layers_);
+    layer_rope_.assign(n_layers_, 0);
+    layer_window_.assign(n_layers_, 0);
   }
 
   void set_layer(int set, int64_t i, std::shared_ptr<PackedWeight> wqkv, std::shared_ptr<PackedWeight> wo,
@@ -138,7 +158,16 @@ class Model {
   }
 
   void set_layer_norms(int64_t i, py::array_t<float, py::array::c_style> attn_norm,
-                       py::array_t<float, py::array::c_style> mlp_norm, py::object bqkv) {
+                       py::array_t<float, py::array::c_style> mlp_norm, py::object bqkv, py::object q_norm,
+                       py::object k_norm, py::object post_attn_norm, py::object post_mlp_norm) {
+    auto vec = [](py::object o, int64_t n, const char* what) {
+      std::vector<float> v;
+      if (o.is_none()) return v;
+      auto b = o.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+      if (b.size() != n) throw std::invalid_argument(std::string(what) + " has the wrong size");
+      v.assign(b.data(), b.data() + n);
+      return v;
+    };
     if (i < 0 || i >= n_layers_) throw std::invalid_argument("layer index out of range");
     if (attn_norm.size() != d_ || mlp_norm.size() != d_) throw std::invalid_argument("norms must be [hidden]");
     attn_norm_[i].assign(attn_norm.data(), attn_norm.data() + d_);
@@ -149,6 +178,20 @@ class Model {
       if (b.size() != (n_heads_ + 2 * n_kv_) * hd_) throw std::invalid_argument("bqkv must be [(H+2KVH)*hd]");
       bqkv_[i].assign(b.data(), b.data() + b.size());
     }
+    q_norm_[i] = vec(q_norm, hd_, "q_norm");
+    k_norm_[i] = vec(k_norm, hd_, "k_norm");
+    if (q_norm_[i].empty() != k_norm_[i].empty()) throw std::invalid_argument("q_norm and k_norm go together");
+    post_attn_norm_[i] = vec(post_attn_norm, d_, "post_attn_norm");
+    post_mlp_norm_[i] = vec(post_mlp_norm, d_, "post_mlp_norm");
+  }
+
+  // Layer i's RoPE table (-1: no RoPE, a NoPE layer) and sliding window (0: none).
+  void set_layer_attention(int64_t i, int64_t rope_table, int64_t window) {
+    if (i < 0 || i >= n_layers_) throw std::invalid_argument("layer index out of range");
+    if (rope_table < -1 || rope_table >= kRopeTables) throw std::invalid_argument("rope table out of range");
+    if (window < 0) throw std::invalid_argument("window must be >= 0");
+    layer_rope_[i] = rope_table;
+    layer_window_[i] = window;
   }
 
   void set_lm_head(int set, std::shared_ptr<PackedWeight> w) {
@@ -157,12 +200,16 @@ class Model {
     sets_[set].lm_head = w;
   }
 
-  void set_rope(py::array_t<float, py::array::c_style> cos, py::array_t<float, py::array::c_style> sin) {
-    if (cos.ndim() != 2 || cos.shape(1) != hd_ / 2 || sin.ndim() != 2 || sin.shape(0) != cos.shape(0) ||
-        sin.shape(1) != hd_ / 2)
-      throw std::invalid_argument("rope tables must be float32 [positions, head_dim/2]");
-    cos_.assign(cos.data(), cos.data() + cos.size());
-    sin_.assign(sin.data(), sin.data() + sin.size());
+  // RoPE table `table` (layers pick theirs, set_layer_attention); every table in use must cover
+  // the same positions: rope_positions is that of the last one set.
+  void set_rope(py::array_t<float, py::array::c_style> cos, py::array_t<float, py::array::c_style> sin,
+                int64_t table) {
+    if (table < 0 || table >= kRopeTables) throw std::invalid_argument("rope table out of range");
+    if (cos.ndim() != 2 || cos.shape(1) != rope_dim_ / 2 || sin.ndim() != 2 || sin.shape(0) != cos.shape(0) ||
+        sin.shape(1) != rope_dim_ / 2)
+      throw std::invalid_argument("rope tables must be float32 [positions, rope_dim/2]");
+    cos_[table].assign(cos.data(), cos.data() + cos.size());
+    sin_[table].assign(sin.data(), sin.data() + sin.size());
     rope_positions_ = cos.shape(0);
   }
 
@@ -246,9 +293,12 @@ class Model {
     const uint16_t* emb = embed_.data();
     for (int64_t r = 0; r < m; ++r) {
       const uint16_t* e = emb + int64_t(tokens[r]) * d_;
-      for (int64_t i = 0; i < d_; ++i) h_[r * d_ + i] = bf16_to_f32(e[i]);
+      if (embed_scale_ == 1.0f)
+        for (int64_t i = 0; i < d_; ++i) h_[r * d_ + i] = bf16_to_f32(e[i]);
+      else
+        for (int64_t i = 0; i < d_; ++i) h_[r * d_ + i] = bf16_to_f32(e[i]) * embed_scale_;
     }
-    const int64_t half = hd_ / 2;
+    const int64_t half = rope_dim_ / 2;
     for (int64_t l = 0; l < n_layers_; ++l) {
       const LayerSet& L = ws.layers[l];
       for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]); });
@@ -257,11 +307,18 @@ class Model {
         float* row = &qkv_[r * qkv_n];
         if (!bqkv_[l].empty())
           for (int64_t i = 0; i < qkv_n; ++i) row[i] += bqkv_[l][i];
+        if (!q_norm_[l].empty()) {  // per-head RMSNorm of q and k, in place
+          for (int64_t h = 0; h < n_heads_; ++h) rms_norm(row + h * hd_, q_norm_[l].data(), eps_, hd_, row + h * hd_);
+          for (int64_t h = n_heads_; h < n_heads_ + n_kv_; ++h)
+            rms_norm(row + h * hd_, k_norm_[l].data(), eps_, hd_, row + h * hd_);
+        }
         const int64_t pos = start_pos + r;  // the row's cache slot
         const int64_t rpos = tree ? tree->prefix + (tree->off[r + 1] - tree->off[r] - 1) : pos;
-        const float* c = &cos_[rpos * half];
-        const float* s = &sin_[rpos * half];
-        rope(row, n_heads_ + n_kv_, hd_, c, s);  // q heads then k heads are contiguous
+        if (layer_rope_[l] >= 0) {
+          const float* c = &cos_[layer_rope_[l]][rpos * half];
+          const float* s = &sin_[layer_rope_[l]][rpos * half];
+          rope(row, n_heads_ + n_kv_, hd_, rope_dim_, c, s);  // q heads then k heads are contiguous
+        }
         std::memcpy(&q_[r * q_n], row, q_n * sizeof(float));
         uint16_t* kd = kv.k(l, pos);
         uint16_t* vd = kv.v(l, pos);
@@ -277,7 +334,8 @@ class Model {
       a.start_pos = start_pos;
       a.n_heads = n_heads_;
       a.layer = l;
-      a.scale = 1.0f / std::sqrt(float(hd_));
+      a.scale = attn_scale_;
+      a.window = layer_window_[l];
       a.kv = kv;
       a.tree = tree;
       lap(prof_.rowwise);
@@ -292,15 +350,19 @@ class Model {
         reduce(tmp_.data(), m);
         lap(prof_.reduce);
       }
+      post_norm(post_attn_norm_[l], m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
       for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]); });
       timed_gemm(kGateUp, *L.wgu, x_.data(), d_, gu_.data(), 2 * f_, m);
-      for_rows(m, [&](int64_t r) { silu_mul(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_); });
+      for_rows(m, [&](int64_t r) {
+        (gelu_ ? gelu_tanh_mul : silu_mul)(&gu_[r * 2 * f_], &gu_[r * 2 * f_ + f_], &act_[r * f_], f_);
+      });
       timed_gemm(kDown, *L.wdown, act_.data(), f_, tmp_.data(), d_, m);
       if (parallel()) {
         reduce(tmp_.data(), m);
         lap(prof_.reduce);
       }
+      post_norm(post_mlp_norm_[l], m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }
     const int64_t first = all_logits ? 0 : m - 1, rows = m - first;
@@ -316,6 +378,7 @@ class Model {
   int64_t n_kv() const { return n_kv_; }
   int64_t head_dim() const { return hd_; }
   int64_t rope_positions() const { return rope_positions_; }
+  static constexpr int kRopeTables = 2;  // Gemma 3: global and local layers' tables
   static void check_set(int set) {
     if (set < 0 || set >= kWeightSets)
       throw std::invalid_argument("weight set must be 0 (target) or 1.." + std::to_string(kWeightSets - 1) +
@@ -323,6 +386,13 @@ class Model {
   }
 
  private:
+  // RMSNorm of the [m, hidden] block output in tmp_ (in place) before its residual add; no-op
+  // for an empty weight (architectures without the norm).
+  void post_norm(const std::vector<float>& w, int64_t m) {
+    if (w.empty()) return;
+    for_rows(m, [&](int64_t r) { rms_norm(&tmp_[r * d_], w.data(), eps_, d_, &tmp_[r * d_]); });
+  }
+
   static void check_shape(const PackedWeight& w, int64_t n, int64_t k, const char* what) {
     if (w.n != n || w.k != k)
       throw std::invalid_argument(std::string(what) + ": packed weight has shape [" + std::to_string(w.n) +
@@ -335,10 +405,13 @@ class Model {
   int64_t d_ = 0, f_ = 0, n_layers_ = 0, n_heads_ = 0, n_kv_ = 0, hd_ = 0, vocab_ = 0, lm_rows_ = 0;
   py::object reducer_ = py::none();
   std::shared_ptr<ShmGroup> shm_;
-  float eps_ = 1e-5f;
+  float eps_ = 1e-5f, embed_scale_ = 1.0f, attn_scale_ = 1.0f;
+  int64_t rope_dim_ = 0;
+  bool gelu_ = false;
   WeightSet sets_[kWeightSets];
-  std::vector<std::vector<float>> attn_norm_, mlp_norm_, bqkv_;
-  std::vector<float> cos_, sin_;
+  std::vector<std::vector<float>> attn_norm_, mlp_norm_, bqkv_, q_norm_, k_norm_, post_attn_norm_, post_mlp_norm_;
+  std::vector<int64_t> layer_rope_, layer_window_;
+  std::vector<float> cos_[kRopeTables], sin_[kRopeTables];
   int64_t rope_positions_ = 0;
   std::vector<float> h_, x_, qkv_, q_, att_, gu_, act_, tmp_;  // scratch, reused across calls
   Profile prof_;
@@ -348,6 +421,16 @@ class Model {
 
 void silu_mul_ref(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+// GELU with the tanh approximation (PyTorch's approximate="tanh", HF gelu_pytorch_tanh) times up;
+// scalar on every ISA level, so its bits never depend on the level or the batch.
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n) {
+  const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2/pi)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = gate[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(beta * (x + kappa * x * x * x))) * up[i];
+  }
 }
 
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
@@ -365,9 +448,13 @@ void bind_model(py::module_& m) {
       .def("set_layer", &Model::set_layer, py::arg("set"), py::arg("layer"), py::arg("wqkv"), py::arg("wo"),
            py::arg("w_gate_up"), py::arg("w_down"))
       .def("set_layer_norms", &Model::set_layer_norms, py::arg("layer"), py::arg("attn_norm"),
-           py::arg("mlp_norm"), py::arg("bqkv") = py::none())
+           py::arg("mlp_norm"), py::arg("bqkv") = py::none(), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none(), py::arg("post_attn_norm") = py::none(),
+           py::arg("post_mlp_norm") = py::none())
+      .def("set_layer_attention", &Model::set_layer_attention, py::arg("layer"), py::arg("rope_table"),
+           py::arg("window"), "rope_table: -1 (no RoPE) or a table of set_rope; window: sliding window, 0 none")
       .def("set_lm_head", &Model::set_lm_head, py::arg("set"), py::arg("w"))
-      .def("set_rope", &Model::set_rope, py::arg("cos"), py::arg("sin"))
+      .def("set_rope", &Model::set_rope, py::arg("cos"), py::arg("sin"), py::arg("table") = 0)
       .def("has_set", &Model::has_set, py::arg("set"))
       .def("set_reducer", &Model::set_reducer, py::arg("reducer"),
            "reducer(x): called with the GIL on the [m, hidden] float32 partial sums of the O and down "

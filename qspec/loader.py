@@ -39,6 +39,10 @@ class LayerWeights:
     bq: torch.Tensor | None = None  # [H*hd] fp32 (Qwen2)
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None          # [hd] fp32, per-head q/k RMSNorm (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # [D] fp32, norms of the block outputs (Gemma 3)
+    post_mlp_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -176,22 +180,47 @@ class _Layers(Sequence):
         return self._read(i % self._n)
 
 
+# LayerWeights field -> checkpoint tensor (under model.layers.<i>.) of the norms, by family
+_NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
+_NORMS_QK = dict(_NORMS, q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
+_NORMS_SANDWICH = dict(_NORMS_QK, post_attn_norm="post_attention_layernorm.weight",
+                       mlp_norm="pre_feedforward_layernorm.weight",
+                       post_mlp_norm="post_feedforward_layernorm.weight")
+FUSED_QKV, FUSED_GATE_UP = "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"  # Phi-3
+MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+
+
+def layer_norm_names(cfg: ModelConfig) -> dict[str, str]:
+    """The norms of a layer of this family: LayerWeights field -> tensor name under model.layers.<i>."""
+    return _NORMS_SANDWICH if cfg.sandwich_norms else _NORMS_QK if cfg.qk_norm else _NORMS
+
+
 def load_weights(model_dir: Path, cfg: ModelConfig, torch_threads: int | None = None) -> ModelWeights:
     """Checks every tensor's presence and shape up front (from the headers), reads each tensor when
-    it is first used (`torch_threads`: torch's thread count, set when torch is first needed)."""
+    it is first used (`torch_threads`: torch's thread count, set when torch is first needed).
+    Phi-3's fused qkv_proj / gate_up_proj are split into the q, k, v and gate, up rows here."""
     ck = Checkpoint(model_dir, torch_threads)
+    # the decoder's tensors: model.* (a causal LM); a Gemma 3 multimodal checkpoint holds them
+    # under model.language_model.* (transformers 5) or language_model.model.* (the Hub's)
+    base = next((b for b in MODEL_PREFIXES if b + "embed_tokens.weight" in ck), "model.")
     D, hd, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    layer_shapes = {"input_layernorm.weight": (D,), "self_attn.q_proj.weight": (q_out, D),
-                    "self_attn.k_proj.weight": (kv_out, D), "self_attn.v_proj.weight": (kv_out, D),
-                    "self_attn.o_proj.weight": (D, q_out), "post_attention_layernorm.weight": (D,),
-                    "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+    norms = layer_norm_names(cfg)
+    fused = cfg.fused_checkpoint and base + "layers.0." + FUSED_QKV in ck
+    layer_shapes = {name: ((hd,) if field in ("q_norm", "k_norm") else (D,)) for field, name in norms.items()}
+    if fused:
+        layer_shapes.update({FUSED_QKV: (q_out + 2 * kv_out, D), FUSED_GATE_UP: (2 * F, D)})
+    else:
+        layer_shapes.update({"self_attn.q_proj.weight": (q_out, D), "self_attn.k_proj.weight": (kv_out, D),
+                             "self_attn.v_proj.weight": (kv_out, D), "mlp.gate_proj.weight": (F, D),
+                             "mlp.up_proj.weight": (F, D)})
+    layer_shapes.update({"self_attn.o_proj.weight": (D, q_out), "mlp.down_proj.weight": (D, F)})
     if cfg.attention_bias:
         layer_shapes.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
                              "self_attn.v_proj.bias": (kv_out,)})
-    expected = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    expected = {base + "embed_tokens.weight": (cfg.vocab_size, D), base + "norm.weight": (D,)}
     for i in range(cfg.n_layers):
-        expected.update({f"model.layers.{i}.{k}": v for k, v in layer_shapes.items()})
+        expected.update({f"{base}layers.{i}.{k}": v for k, v in layer_shapes.items()})
     untied = not cfg.tie_word_embeddings
     if untied:
         expected["lm_head.weight"] = (cfg.vocab_size, D)
@@ -208,27 +237,33 @@ def load_weights(model_dir: Path, cfg: ModelConfig, torch_threads: int | None = 
 
         return ck.get(name).to(getattr(torch, dtype)).contiguous()
 
+    def get_norm(name: str):
+        w = get(name, f32)
+        return 1.0 + w if cfg.norm_plus_one else w  # Gemma: (1 + w) in fp32, as transformers
+
     def read_layer(i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
+        p = f"{base}layers.{i}."
         bias = cfg.attention_bias
+        if fused:
+            qkv, gu = get(p + FUSED_QKV, bf16), get(p + FUSED_GATE_UP, bf16)
+            wq, wk, wv = (t.contiguous() for t in qkv.split([q_out, kv_out, kv_out]))
+            w_gate, w_up = (t.contiguous() for t in gu.split([F, F]))  # transformers: gate, up = chunk(2)
+        else:
+            wq, wk, wv = (get(p + f"self_attn.{k}_proj.weight", bf16) for k in "qkv")
+            w_gate, w_up = (get(p + f"mlp.{k}_proj.weight", bf16) for k in ("gate", "up"))
         return LayerWeights(
-            attn_norm=get(p + "input_layernorm.weight", f32),
-            wq=get(p + "self_attn.q_proj.weight", bf16),
-            wk=get(p + "self_attn.k_proj.weight", bf16),
-            wv=get(p + "self_attn.v_proj.weight", bf16),
+            wq=wq, wk=wk, wv=wv, w_gate=w_gate, w_up=w_up,
             wo=get(p + "self_attn.o_proj.weight", bf16),
-            mlp_norm=get(p + "post_attention_layernorm.weight", f32),
-            w_gate=get(p + "mlp.gate_proj.weight", bf16),
-            w_up=get(p + "mlp.up_proj.weight", bf16),
             w_down=get(p + "mlp.down_proj.weight", bf16),
             bq=get(p + "self_attn.q_proj.bias", f32) if bias else None,
             bk=get(p + "self_attn.k_proj.bias", f32) if bias else None,
             bv=get(p + "self_attn.v_proj.bias", f32) if bias else None,
+            **{field: get_norm(p + name) for field, name in norms.items()},
         )
 
     return CheckpointWeights(layers=_Layers(read_layer, cfg.n_layers),
-                             read_embed=lambda: get("model.embed_tokens.weight", bf16),
-                             read_norm=lambda: get("model.norm.weight", f32),
+                             read_embed=lambda: get(base + "embed_tokens.weight", bf16),
+                             read_norm=lambda: get_norm(base + "norm.weight"),
                              read_lm_head=(lambda: get("lm_head.weight", bf16)) if untied else None)
 
 

@@ -22,11 +22,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [M, H, hd]; cos/sin: [M, hd/2] -> rotate-half convention of HF Llama
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    # x: [M, H, hd]; cos/sin: [M, rd/2] -> rotate-half convention of HF Llama on the first rd
+    # columns of each head (partial rotary), the rest passed through
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
 
 
 class TorchModel:
@@ -38,19 +39,21 @@ class TorchModel:
         self.w = ModelWeights(
             embed=weights.embed, norm=weights.norm, lm_head=weights.lm_head.to(f32),
             layers=[LayerWeights(**{k: up(v) for k, v in vars(lw).items()}) for lw in weights.layers])
-        self._cos = self._sin = torch.empty(0, cfg.head_dim // 2)
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos.shape[0] < n:
-            cos, sin = rope_tables(self.cfg, max(n, 2 * self._cos.shape[0]))
-            self._cos, self._sin = torch.from_numpy(cos), torch.from_numpy(sin)
-        return self._cos, self._sin
+    def _rope(self, n: int, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        have = self._tables.get(table)
+        if have is None or have[0].shape[0] < n:
+            cos, sin = rope_tables(self.cfg, max(n, 2 * (have[0].shape[0] if have else 0)), table)
+            self._tables[table] = torch.from_numpy(cos), torch.from_numpy(sin)
+        return self._tables[table]
 
     @staticmethod
-    def tree_mask(start_pos: int, end: int, prefix: int, parents) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tree attention (docs: tree-contract): the mask [M, end] of query slots start_pos..end-1
-        and their RoPE positions. Slot s >= prefix has parent slot parents[s - prefix] (-1: a root)
-        and sees the rows 0..prefix-1, its ancestors and itself, at position prefix + depth(s)."""
+    def tree_mask(start_pos: int, end: int, prefix: int, parents) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tree attention (docs: tree-contract): the mask [M, end] of query slots start_pos..end-1,
+        their RoPE positions and the logical positions of the cache rows 0..end-1. Slot s >= prefix
+        has parent slot parents[s - prefix] (-1: a root) and sees the rows 0..prefix-1, its
+        ancestors and itself, at position prefix + depth(s)."""
         n = end - prefix
         if len(parents) != n:
             raise ValueError(f"tree parents: {len(parents)} entries for {n} slots")
@@ -66,7 +69,8 @@ class TorchModel:
                 depth[j] = depth[par - prefix] + 1
             anc[j, prefix + j] = True
         rows = slice(start_pos - prefix, n)
-        return anc[rows], torch.tensor(depth[rows], dtype=torch.long) + prefix
+        key_pos = torch.cat([torch.arange(prefix), torch.tensor(depth, dtype=torch.long) + prefix])
+        return anc[rows], torch.tensor(depth[rows], dtype=torch.long) + prefix, key_pos
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, kv: KVCache, tree=None) -> torch.Tensor:
@@ -80,28 +84,43 @@ class TorchModel:
             # causal mask over the cache rows 0..end-1 for query rows at start_pos..end-1
             mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [M, end]
             pos = torch.arange(start_pos, end)
+            key_pos = torch.arange(end)
         else:
-            mask, pos = self.tree_mask(start_pos, end, tree[0], tree[1])
-        cos_t, sin_t = self._rope(int(pos.max()) + 1)
-        cos, sin = cos_t[pos], sin_t[pos]
+            mask, pos, key_pos = self.tree_mask(start_pos, end, tree[0], tree[1])
         h = self.w.embed[tokens].to(f32)  # [M, D]
+        if cfg.embed_scale != 1.0:
+            h = h * torch.tensor(cfg.embed_scale, dtype=f32)
         for i, lw in enumerate(self.w.layers):
             x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
             q = F.linear(x, lw.wq, lw.bq).view(M, H, hd)
             k = F.linear(x, lw.wk, lw.bk).view(M, KVH, hd)
             v = F.linear(x, lw.wv, lw.bv).view(M, KVH, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if lw.q_norm is not None:
+                q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+            table = cfg.rope_table_of(i)
+            if table >= 0:
+                cos_t, sin_t = self._rope(int(pos.max()) + 1, table)
+                q, k = apply_rope(q, cos_t[pos], sin_t[pos]), apply_rope(k, cos_t[pos], sin_t[pos])
+            seen = mask
+            if cfg.window_of(i):  # sliding window: logical key positions > pos - window
+                seen = mask & (key_pos[None, :] > pos[:, None] - cfg.window_of(i))
             cache[i, 0, start_pos:end] = k
             cache[i, 1, start_pos:end] = v
             keys = cache[i, 0, :end].repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, end, hd]
             vals = cache[i, 1, :end].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
-            att = (q.transpose(0, 1) @ keys.transpose(1, 2)) / hd ** 0.5  # [H, M, end]
-            att = att.masked_fill(~mask[None], float("-inf")).softmax(-1)
+            if cfg.query_scale is None:
+                att = (q.transpose(0, 1) @ keys.transpose(1, 2)) / hd ** 0.5  # [H, M, end]
+            else:
+                att = (q.transpose(0, 1) @ keys.transpose(1, 2)) * cfg.query_scale
+            att = att.masked_fill(~seen[None], float("-inf")).softmax(-1)
             o = (att @ vals).transpose(0, 1).reshape(M, H * hd)
-            h = h + F.linear(o, lw.wo)
+            o = F.linear(o, lw.wo)
+            h = h + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_norm_eps))
             x = rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps)
-            h = h + F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up),
-                             lw.w_down)
+            g = F.linear(x, lw.w_gate)
+            g = F.gelu(g, approximate="tanh") if cfg.hidden_act == "gelu_tanh" else F.silu(g)
+            o = F.linear(g * F.linear(x, lw.w_up), lw.w_down)
+            h = h + (o if lw.post_mlp_norm is None else rms_norm(o, lw.post_mlp_norm, cfg.rms_norm_eps))
         h = rms_norm(h, self.w.norm, cfg.rms_norm_eps)
         return F.linear(h, self.w.lm_head)
 

@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .draft import DraftSpec, _read_header, pack_mx_matrix
 from .errors import DraftFileError, ModelLoadError
 from .kv_cache import KVCache
-from .loader import ModelWeights, _weight_files
+from .loader import ModelWeights, _weight_files, layer_norm_names
 from .parallel.shard import Shard
 from .rope import rope_tables
 
@@ -66,11 +66,18 @@ def bf16_numpy(t) -> np.ndarray:
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-SMALL = ("attn_norm", "mlp_norm")  # + "bqkv" with attention biases: per-layer float32 vectors
+NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")  # LayerWeights fields
+
+
+def small_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """A layer's float32 vectors: the norms its family has (replicated under tensor parallelism),
+    then "bqkv" with attention biases (q/k/v bias)."""
+    have = layer_norm_names(cfg)
+    return tuple(k for k in NORMS if k in have) + (("bqkv",) if cfg.attention_bias else ())
 
 
 def _layer_names(cfg: ModelConfig, small: bool) -> list[str]:
-    extra = (SMALL + ("bqkv",) if cfg.attention_bias else SMALL) if small else ()
+    extra = small_names(cfg) if small else ()
     return [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in extra + MATRICES]
 
 
@@ -88,8 +95,9 @@ def draft_names(cfg: ModelConfig, spec: DraftSpec) -> list[str]:
 def pack_target(weights: ModelWeights, shard: Shard) -> Iterator[tuple[str, object]]:
     """The packed target (of `shard`'s part of the model), one entry at a time (the names of target_names)."""
     for i, lw in enumerate(weights.layers):
-        yield f"layers.{i}.attn_norm", lw.attn_norm.float().numpy()
-        yield f"layers.{i}.mlp_norm", lw.mlp_norm.float().numpy()
+        for k in NORMS:  # the loader fills those of small_names(cfg); replicated on every rank
+            if getattr(lw, k) is not None:
+                yield f"layers.{i}.{k}", getattr(lw, k).float().numpy()
         bias = shard.layer_bias(lw)
         if bias is not None:
             yield f"layers.{i}.bqkv", bias.numpy()
@@ -228,7 +236,8 @@ class NativeBackend:
                 {"hidden_size": cfg.hidden_size, "intermediate_size": local.intermediate_size,
                  "n_layers": cfg.n_layers, "n_heads": local.n_heads, "n_kv_heads": local.n_kv_heads,
                  "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "lm_head_rows": shard.vocab_rows,
-                 "rms_norm_eps": cfg.rms_norm_eps},
+                 "rms_norm_eps": cfg.rms_norm_eps, "embed_scale": cfg.embed_scale,
+                 "attn_scale": cfg.attention_scale, "rope_dim": cfg.rope_dim, "hidden_act": cfg.hidden_act},
                 self._embed, target_packed["norm"])
             for i in range(cfg.n_layers):
                 p = f"layers.{i}."
@@ -236,7 +245,10 @@ class NativeBackend:
                 self.model.set_layer(TARGET, i, *tgt)
                 self.target_bytes += sum(w.nbytes for w in tgt)
                 self.model.set_layer_norms(i, target_packed[p + "attn_norm"], target_packed[p + "mlp_norm"],
-                                           target_packed.get(p + "bqkv"))
+                                           target_packed.get(p + "bqkv"), target_packed.get(p + "q_norm"),
+                                           target_packed.get(p + "k_norm"), target_packed.get(p + "post_attn_norm"),
+                                           target_packed.get(p + "post_mlp_norm"))
+                self.model.set_layer_attention(i, cfg.rope_table_of(i), cfg.window_of(i))
             self.lm_head = target_packed["lm_head"]
             self.model.set_lm_head(TARGET, self.lm_head)
         except (KeyError, ValueError) as e:
@@ -269,8 +281,8 @@ class NativeBackend:
     def _ensure_rope(self, n: int) -> None:
         if n > self._rope_positions:
             n = min(max(n, 2 * self._rope_positions, 256), max(n, self.cfg.max_seq_len))
-            cos, sin = rope_tables(self.cfg, n)
-            self.model.set_rope(cos, sin)
+            for table in sorted({0} | {self.cfg.rope_table_of(i) for i in range(self.cfg.n_layers)} - {-1}):
+                self.model.set_rope(*rope_tables(self.cfg, n, table), table)
             self._rope_positions = n
 
     @property

@@ -59,8 +59,9 @@ def make_q(m, n_heads, head_dim, seed=1, amp=1.0):
     return (amp * rng.standard_normal((m, n_heads, head_dim))).astype(np.float32)
 
 
-def attention_f64(q, kv, layer, start_pos, scale=None):
-    """Independent oracle: float64 masked softmax attention, GQA by repeating kv heads."""
+def attention_f64(q, kv, layer, start_pos, scale=None, window=0):
+    """Independent oracle: float64 masked softmax attention, GQA by repeating kv heads; window > 0:
+    sliding window (key j visible to position p when p - window < j <= p, as transformers)."""
     m, n_heads, head_dim = q.shape
     kv_heads = kv.shape[3]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
@@ -70,6 +71,8 @@ def attention_f64(q, kv, layer, start_pos, scale=None):
     s = scale * np.einsum("ihd,jhd->ihj", q.astype(np.float64), k)  # [m, H, n]
     pos = start_pos + np.arange(m)
     s = np.where(np.arange(n)[None, None, :] <= pos[:, None, None], s, -np.inf)
+    if window:
+        s = np.where(np.arange(n)[None, None, :] > pos[:, None, None] - window, s, -np.inf)
     s -= s.max(axis=-1, keepdims=True)
     w = np.exp(s)
     w /= w.sum(axis=-1, keepdims=True)
@@ -426,3 +429,33 @@ def test_bad_inputs_raise_value_error(case):
 def test_exactly_at_max_seq_is_fine():
     kv = make_cache(3, 64, max_seq=64)
     assert _C.attention(make_q(2, 9, 64), kv, 0, 62).shape == (2, 9, 64)
+
+
+# ------------------------------------------------------------------ sliding windows (Gemma 3, Phi-3, ...)
+
+GEMMA_HEADS = (4, 1, 256)  # head_dim 256 (Gemma 3)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [SMOLLM2, GEMMA_HEADS], ids=["smollm2", "hd256"])
+@pytest.mark.parametrize("window", [1, 24, 300])
+@pytest.mark.parametrize("start_pos,m", [(0, 33), (100, 5), (250, 17), (600, 9), (1000, 1)])
+def test_sliding_window_matches_float64_and_is_batch_invariant(path, shape, window, start_pos, m):
+    """Each row attends exactly its last `window` keys, and its bits are those of the row alone."""
+    n_heads, kv_heads, hd = shape
+    q, kv = make_q(m, n_heads, hd), make_cache(kv_heads, hd)
+    got = _C.attention(q, kv, 1, start_pos, path=path, window=window)
+    np.testing.assert_allclose(got, attention_f64(q, kv, 1, start_pos, window=window), **TOL_F32_VS_F64)
+    for i in {0, m // 2, m - 1}:
+        alone = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, window=window)
+        assert np.array_equal(bits(got[i]), bits(alone[0])), (path, window, start_pos, i)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [SMOLLM2, GEMMA_HEADS], ids=["smollm2", "hd256"])
+def test_window_wider_than_the_context_changes_no_bit(path, shape):
+    n_heads, kv_heads, hd = shape
+    q, kv = make_q(17, n_heads, hd), make_cache(kv_heads, hd)
+    want = _C.attention(q, kv, 1, 500, path=path)
+    assert np.array_equal(bits(_C.attention(q, kv, 1, 500, path=path, window=517)), bits(want))
+    np.testing.assert_allclose(want, attention_f64(q, kv, 1, 500), **TOL_F32_VS_F64)  # head_dim 256 too

@@ -40,6 +40,7 @@ sys.exit(pytest.main(sys.argv[1:]))
 # tree attention: the kernel and synthetic-model tests (the default model's tree rows: FULL)
 TREE_FAST = ["test_tree_attention.py::test_tree_rows_equal_linear_path",
              "test_tree_attention.py::test_deep_chain_crosses_segments",
+             "test_tree_attention.py::test_windowed_tree_rows_equal_linear_path",
              "test_tree_attention.py::test_small_model_tree_rows_equal_linear"]
 FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py", *TREE_FAST,
         "test_speculative.py::test_greedy_lossless_subset[mxfp4]",  # the default draft on real model sizes

@@ -51,20 +51,21 @@ def bits(x):
     return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
 
 
-def check_tree_vs_linear(path, shape, prefix, n, m, seed, max_width=3):
-    """Rows = the last m of n tree nodes at slots prefix..; each == the linear step over its path."""
+def check_tree_vs_linear(path, shape, prefix, n, m, seed, max_width=3, window=0):
+    """Rows = the last m of n tree nodes at slots prefix..; each == the linear step over its path
+    (with a sliding window: over the same last `window` logical keys)."""
     n_heads, kv_heads, hd = shape
     rng = np.random.default_rng(seed)
     parents, _ = random_parents(rng, prefix, n, max_width)
     kv = make_cache(prefix + n + 1, kv_heads, hd, seed)
     start = prefix + n - m
     q = rng.standard_normal((m, n_heads, hd)).astype(np.float32)
-    got = _C.attention(q, kv, 1, start, path=path, tree=(prefix, parents))
+    got = _C.attention(q, kv, 1, start, path=path, tree=(prefix, parents), window=window)
     for i in range(m):
         p = path_of(parents, prefix, start + i)
         lin = kv.copy()
         lin[:, :, prefix:prefix + len(p)] = kv[:, :, p]
-        want = _C.attention(q[i:i + 1], lin, 1, prefix + len(p) - 1, path=path)
+        want = _C.attention(q[i:i + 1], lin, 1, prefix + len(p) - 1, path=path, window=window)
         assert np.array_equal(bits(got[i]), bits(want[0])), (path, prefix, i, p)
 
 
@@ -74,6 +75,14 @@ def check_tree_vs_linear(path, shape, prefix, n, m, seed, max_width=3):
 def test_tree_rows_equal_linear_path(path, shape, prefix):
     for seed in range(3):
         check_tree_vs_linear(path, SHAPES[shape], prefix, n=16, m=[16, 9, 1][seed], seed=seed)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window", [3, 24])
+@pytest.mark.parametrize("prefix", [0, 250, 600])
+def test_windowed_tree_rows_equal_linear_path(path, window, prefix):
+    for seed in range(3):
+        check_tree_vs_linear(path, SHAPES["qwen1.5b"], prefix, n=16, m=[16, 9, 1][seed], seed=seed, window=window)
 
 
 @pytest.mark.parametrize("path", PATHS)

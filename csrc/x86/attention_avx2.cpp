@@ -424,8 +424,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // the pair's max slot.
   float* sums = reinterpret_cast<float*>(vmax);
   for (int64_t u = 0; u < np; ++u) {
-    if (n_of(u) <= kbeg) continue;
-    const float max_s = hmax(vmax[u]);
+    if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;
+    const float max_s = attn_window_max(scores + u * sc_stride, kbeg, n_of(u), attn_key_lo(a, row_of(u)),
+                                        hmax(vmax[u]));
     sums[u * 8] = exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
     sums[u * 8 + 1] = max_s;
   }
@@ -477,7 +478,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial. Natural order.
   for (int64_t u = 0; u < np; ++u) {
-    if (n_of(u) <= kbeg) continue;
+    if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;  // below its window: no partial
     const float* acc = accs + u * hd;
     float* out;
     float inv;

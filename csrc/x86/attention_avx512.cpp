@@ -270,8 +270,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // the pair's max slot.
   float* sums = vmaxs;
   for (int64_t u = 0; u < np; ++u) {
-    if (n_of(u) <= kbeg) continue;
-    const float max_s = hmax8(_mm256_loadu_ps(vmaxs + u * 8));
+    if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;
+    const float max_s = attn_window_max(scores + u * sc_stride, kbeg, n_of(u), attn_key_lo(a, row_of(u)),
+                                        hmax8(_mm256_loadu_ps(vmaxs + u * 8)));
     sums[u * 8] = exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
     sums[u * 8 + 1] = max_s;
   }
@@ -309,7 +310,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).
   for (int64_t u = 0; u < np; ++u) {
-    if (n_of(u) <= kbeg) continue;
+    if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;  // below its window: no partial
     float* out;
     __m256 vinv;
     if (n_full(u) <= kAttnSegKeys) {

@@ -4,7 +4,8 @@ Column-parallel: the fused [q;k;v] rows of whole attention heads (each rank its 
 and the KV heads they read, so its KV cache holds only those) and the [gate;up] rows of an FFN
 slice. Row-parallel: the O columns of its query heads and the down columns of its FFN slice, whose
 [m, hidden] partial sums the ranks add (qspec/parallel/comm.py). The LM head is split by vocab rows;
-rank 0 gathers the logits. Embedding, norms and RoPE are replicated.
+rank 0 gathers the logits. Embedding, norms (per-head q/k norms and Gemma's output norms too),
+RoPE tables and sliding windows are replicated.
 
 One process is the world of one: rank 0 of 1 holds everything, and the slices are the whole
 tensors, so single-process packing runs the same code.
