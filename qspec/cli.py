@@ -75,6 +75,9 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
+    g.add_argument("--draft-kv", choices=("auto", "int8", "bf16"), default="auto",
+                   help="what the MX drafts attend over: int8 = an INT8 copy of the KV cache (fewer bytes per "
+                   "draft step at long context), bf16 = the BF16 cache, auto = int8 from 1024 tokens on")
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
                    help="tokens of context, prompt + completion (per request when serving; default: the "
                    "model's); the KV cache is sized to it, after checking that it fits in memory")
@@ -110,7 +113,7 @@ def _load_engine(a: argparse.Namespace):
     try:
         engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
                       threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp,
-                      ctx_size=a.ctx_size)
+                      ctx_size=a.ctx_size, draft_kv=a.draft_kv)
     except ContextSizeError as e:
         raise ContextSizeError(str(e).replace("ctx_size", "--ctx-size")) from None
     if a.ctx_size is not None:  # the memory the chosen context takes, before a long run

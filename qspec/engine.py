@@ -370,7 +370,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
          draft_lm_head: str | None = None, cache: bool | None = None,
          draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None,
-         ctx_size: int | None = None) -> Engine:
+         ctx_size: int | None = None, draft_kv: str = "auto") -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
     (`qspec fetch --list`), or a Hugging Face model directory.
 
@@ -392,6 +392,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     `ctx_size`: tokens of context (prompt + new tokens) per generation, at most the model's
     (default: the model's); the KV cache is allocated for it at load, after checking that it fits in
     the available memory (`qspec.ContextMemoryError` otherwise, before any weight is read).
+    `draft_kv`: what the MX draft levels attend over: "int8" = an INT8 copy of the KV cache (one
+    E8M0 scale per 32 values, written with every BF16 row; the target still reads BF16, so the
+    output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the copy, read from
+    qspec.native.DRAFT_KV_AUTO_MIN positions on.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.
@@ -407,6 +411,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
             sys.modules["torch"].set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
+    from .native import DRAFT_KV_MODES, has_draft_copy
+
+    if draft_kv not in DRAFT_KV_MODES:
+        raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
     # a bad format or chain fails before any file is read
     spec = resolve_draft_spec(draft, draft_lm_head)
     chain = parse_chain(NGRAM if draft == NGRAM else None if spec is None else "auto", draft_levels)
@@ -426,7 +434,8 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         plan = _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain, backend)
         if ctx_size is not None:  # before any weight is read or any row allocated
             check_ctx_size(ctx_size, plan.cfg)
-            check_fits(cache_bytes(plan.cfg, ctx_size, False) // world,
+            copy = backend == "native" and has_draft_copy(plan.cfg, draft_kv, plan.spec)
+            check_fits(cache_bytes(plan.cfg, ctx_size, copy) // world,
                        f"a KV cache of {ctx_size} tokens" + (f" (per rank of {world})" if world > 1 else ""))
         return plan
 
@@ -439,7 +448,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         from .native import native_backend
 
         return native_backend(plan.model_dir, plan.cfg, weights, plan.spec, plan.draft_packed, cache=cache,
-                              upper_drafts=plan.upper_specs, shard=shard)
+                              upper_drafts=plan.upper_specs, shard=shard, draft_kv=draft_kv)
 
     def make_engine(plan: _Plan, be: Backend) -> Engine:
         if ctx_size is not None:
