@@ -320,6 +320,6 @@ class NativeBackend:
 
     def reads_draft_copy(self, draft: bool | int, start_pos: int) -> bool:
         """Whether a pass of weight set `draft` from `start_pos` attends over the INT8 draft copy."""
-        if not draft or self.kv.q8 is None:
+        if not draft or self.kv.q8 is None or self.draft_kv == "bf16":
             return False
         return self.draft_kv == "int8" or start_pos >= DRAFT_KV_AUTO_MIN
