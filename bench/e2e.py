@@ -92,6 +92,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
     for dspec in args.drafts:
         spec, levels = parse_chain_setting(dspec)
         eng = load_engine(args, spec, levels)
+        if args.context and args.context + n_new > eng.ctx_size:
+            raise SystemExit(f"bench: error: --context {args.context} + {n_new} new tokens exceed the model's "
+                             f"context of {eng.ctx_size} tokens")
         prompts = long_prompts(eng, args.context, n_prompts) if args.context else \
             dev_prompts(args.prompt_file, n_prompts)
         name = model_label(eng)
