@@ -26,6 +26,11 @@ level-1 draft: for each fixed K a tree of width --tree-width at the same verify 
 depth K), and the cost model's choice (tree="auto": tree or chain, width, depth and N measured);
 their rows report tree_rows (mean verify rows), tree_path (mean accepted path) and tau_vs_chain
 (tau over the chain's tau at the same K).
+`--context N`: instead of the prompt file, real long prompts of N tokens each (a Python
+standard-library source file and a question about a function in it, bench/long_prompts.py), so
+the speedup at long context is measured; c and v(K) are then measured at that context.
+`--draft-kv int8,bf16`: each setting once per draft-KV mode (qspec.load(draft_kv=...): the MX
+draft attends over the INT8 copy of the cache or the BF16 cache), reported in the draft_kv column.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_pa
                      time_interleaved)
 from .models import (default_draft_name, load_engine, model_label, parse_chain_setting, parse_draft, step_costs,
                      synthetic_backend)
+from .long_prompts import long_prompts
 from qspec.engine import DEFAULT_DRAFT_PARAMS
+from qspec.native import DRAFT_KV_MODES
 from qspec.speculative import DraftParams
 
 
@@ -79,18 +86,24 @@ def cost_ratios(be, ks: list[int], context: int, reps: int) -> dict:
 
 
 def real_model(args, ctx, out: JsonWriter) -> list[dict]:
-    prompts = dev_prompts(args.prompt_file, 4 if args.quick else args.prompts)
+    n_prompts = 4 if args.quick else args.prompts
     n_new = 64 if args.quick else args.max_new
     rows = []
     for dspec in args.drafts:
         spec, levels = parse_chain_setting(dspec)
         eng = load_engine(args, spec, levels)
+        if args.context and args.context + n_new > eng.ctx_size:
+            raise SystemExit(f"bench: error: --context {args.context} + {n_new} new tokens exceed the model's "
+                             f"context of {eng.ctx_size} tokens")
+        prompts = long_prompts(eng, args.context, n_prompts) if args.context else \
+            dev_prompts(args.prompt_file, n_prompts)
         name = model_label(eng)
         fixed = sorted({k for k, _ in args.ks if k != "auto"})
-        cr = cost_ratios(eng.backend, fixed, 128, 5 if args.quick else 11)
         byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
-        for temp in args.temps:
+        for temp, draft_kv in [(t, m) for m in args.draft_kv for t in args.temps]:
+            eng.backend.draft_kv = draft_kv
+            cr = cost_ratios(eng.backend, fixed, args.context or 128, 5 if args.quick else 11)
             settings = [(k, pm, "off") for k, pm in args.ks]
             if args.trees:
                 settings += [(k, None, "eq") for k in fixed] + [("auto", None, "auto")]
@@ -145,12 +158,13 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                     for i, (drafted, accepted, skipped, rounds) in d["levels"].items():
                         row[f"level{i}_acceptance_rate"] = accepted / max(1, drafted)
                         row[f"level{i}_skip_rate"] = skipped / max(1, rounds)
-                row.update(model=name, weights="real", temperature=temp,
+                row.update(model=name, weights="real", temperature=temp, draft_kv=draft_kv,
+                           context=args.context or None,
                            tokens_per_s=statistics.median(d["tps"]), prompts=len(prompts), new_tokens=n_new,
                            threads=args.threads)
                 rows.append(row)
                 out.write(row)
-                print(fmt_table([row], ["draft", "k", "draft_p_min", "tree", "temperature", "tokens_per_s", "speedup",
+                print(fmt_table([row], ["draft", "draft_kv", "k", "draft_p_min", "tree", "temperature", "tokens_per_s", "speedup",
                                         "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup",
                                         "ceiling_speedup", "tree_rows", "tree_path", "tau_vs_chain"]).splitlines()[-1]
                       + "".join(f"  L{i}: acc {row[f'level{i}_acceptance_rate']:.2f} skip {row[f'level{i}_skip_rate']:.2f}"
@@ -254,8 +268,17 @@ def main(argv=None) -> None:
                    help="add draft trees: at N = K + 1 verify rows per fixed K, and the cost model's choice")
     p.add_argument("--tree-width", type=int, default=3, choices=range(1, 9), metavar="1..8",
                    help="width of the --trees rows at N = K + 1 (default 3)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="real long prompts of N tokens (standard-library source + a question) instead of "
+                   "the prompt file")
+    p.add_argument("--draft-kv", type=lambda s: s.split(","), default=["auto"],
+                   help="comma list of draft KV modes to compare: auto, int8, bf16 (default auto)")
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.context is not None and args.context < 64:
+        p.error("--context must be at least 64 tokens")
+    if bad := [m for m in args.draft_kv if m not in DRAFT_KV_MODES]:
+        p.error(f"--draft-kv: {bad[0]!r} is not one of {', '.join(DRAFT_KV_MODES)}")
     if args.drafts is None:
         args.drafts = [default_draft_name(args)]
     if args.ks is None:

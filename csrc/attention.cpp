@@ -74,6 +74,37 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
 
+// As attn_row_head_ref over the INT8 draft copy: the same sequence over the dequantized values.
+void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
+  const int64_t hd = head_dim_of(a);
+  const int64_t kvh = h / (a.n_heads / a.kv.kv_heads);
+  const int64_t p = attn_row_pos(a, i);
+  const float* q = a.q + (i * a.n_heads + h) * hd;
+  float* out = a.out + (i * a.n_heads + h) * hd;
+  auto value = [&](int kv_index, int64_t j, int64_t d) {
+    const int64_t slot = attn_key_slot(a, i, j);
+    const int64_t c = kvh * hd + d;
+    return float(a.kv.q8_row(a.layer, kv_index, slot)[c]) *
+           kv_q8_scale(a.kv.q8_scales(a.layer, kv_index, slot)[c / kQ8Block]);
+  };
+  float max_s = -INFINITY;
+  for (int64_t j = 0; j <= p; ++j) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < hd; ++d) dot += q[d] * value(0, j, d);
+    scores[j] = a.scale * dot;
+    if (scores[j] > max_s) max_s = scores[j];
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j <= p; ++j) {
+    scores[j] = std::exp(scores[j] - max_s);
+    sum += scores[j];
+  }
+  for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
+  for (int64_t j = 0; j <= p; ++j)
+    for (int64_t d = 0; d < hd; ++d) out[d] += scores[j] * value(1, j, d);
+  for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
+}
+
 AttnTreePaths::AttnTreePaths(int64_t prefix, const int64_t* parents, int64_t n_parents,
                              int64_t start_pos, int64_t m) {
   if (prefix < 0 || prefix > start_pos)
@@ -129,6 +160,7 @@ const char* attn_path_name(AttnPath p) {
 }
 
 bool attn_supports(AttnPath p, const AttnArgs& a) {
+  if (a.draft_q8 && (!a.kv.q8 || !a.kv.q8_scale || a.kv.head_dim % kQ8Block != 0)) return false;
   switch (p) {
     case AttnPath::ref: return true;
     case AttnPath::avx2: return int(isa_selected()) >= int(Isa::avx2) && a.kv.head_dim % 8 == 0;
@@ -147,7 +179,7 @@ AttnPath attn_choose(const AttnArgs& a) {
 
 namespace {
 
-void run_ref(const AttnArgs& a) {
+void run_ref(AttnRowHeadFn fn, const AttnArgs& a) {
   const int64_t units = a.m * a.n_heads;
   const int64_t max_keys = a.start_pos + a.m;  // longest row: p <= start_pos + m - 1 (tree too)
   const auto t_region = ProfClock::now();
@@ -158,7 +190,7 @@ void run_ref(const AttnArgs& a) {
     // calls (the pool's threads persist), so decode steps do not allocate.
     thread_local std::vector<float> scratch;
     if (int64_t(scratch.size()) < max_keys + 16) scratch.resize(max_keys + 16);
-    for (int64_t u = u0; u < u1; ++u) attn_row_head_ref(a, u / a.n_heads, u % a.n_heads, scratch.data());
+    for (int64_t u = u0; u < u1; ++u) fn(a, u / a.n_heads, u % a.n_heads, scratch.data());
     busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
   });
   attn_timing().add(seconds_between(t_region, ProfClock::now()), 1e-9 * double(busy_ns.load()),
@@ -294,10 +326,13 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     throw std::invalid_argument(std::string("attention path '") + attn_path_name(p) +
                                 "' is not supported on this CPU / ISA level / head_dim");
   if (a.m <= 0) return;
+  // The INT8 copy's kernels read every key below a row's position: a sliding-window layer reads
+  // the BF16 rows (at most `window` keys a row, so the compact copy would save little there).
+  const bool q8 = a.draft_q8 && a.window <= 0;
   switch (p) {
-    case AttnPath::ref: run_ref(a); break;
-    case AttnPath::avx2: run_grouped(attn_group_avx2, a); break;
-    case AttnPath::avx512: run_grouped(attn_group_avx512, a); break;
+    case AttnPath::ref: run_ref(q8 ? attn_row_head_ref_q8 : attn_row_head_ref, a); break;
+    case AttnPath::avx2: run_grouped(q8 ? attn_group_q8_avx2 : attn_group_avx2, a); break;
+    case AttnPath::avx512: run_grouped(q8 ? attn_group_q8_avx512 : attn_group_avx512, a); break;
   }
 }
 
@@ -325,7 +360,8 @@ AttnArgs probe_args(int64_t head_dim) {
 
 py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
                                 std::optional<float> scale, std::optional<std::string> path,
-                                std::optional<std::pair<int64_t, py::object>> tree, int64_t window) {
+                                std::optional<std::pair<int64_t, py::object>> tree, int64_t window,
+                                std::optional<std::pair<py::array, py::array>> q8) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -376,6 +412,22 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
     paths.emplace(tree->first, par.data(), par.shape(0), start_pos, a.m);
     a.tree = &paths->view;
   }
+  if (q8) {  // attend over the INT8 draft copy instead of the BF16 rows
+    const py::array &qv = q8->first, &qs = q8->second;
+    if (qv.dtype().kind() != 'i' || qv.itemsize() != 1 || qs.dtype().kind() != 'u' || qs.itemsize() != 1 ||
+        !(qv.flags() & py::array::c_style) || !(qs.flags() & py::array::c_style) || qv.ndim() != 5 ||
+        qs.ndim() != 5 || a.kv.head_dim % kQ8Block != 0)
+      throw std::invalid_argument("attention: q8 must be (int8 [layers, 2, max_seq, kv_heads, head_dim], uint8 "
+                                  "[.., head_dim / 32]) with head_dim a multiple of 32");
+    for (int d = 0; d < 4; ++d)
+      if (qv.shape(d) != kv_in.shape(d) || qs.shape(d) != kv_in.shape(d))
+        throw std::invalid_argument("attention: q8 arrays must match the cache's shape");
+    if (qv.shape(4) != a.kv.head_dim || qs.shape(4) != a.kv.head_dim / kQ8Block)
+      throw std::invalid_argument("attention: q8 arrays must match the cache's shape");
+    a.kv.q8 = static_cast<int8_t*>(const_cast<void*>(qv.data()));
+    a.kv.q8_scale = static_cast<uint8_t*>(const_cast<void*>(qs.data()));
+    a.draft_q8 = true;
+  }
   AttnPath p = path ? attn_path_from_name(*path) : attn_choose(a);
   if (!attn_supports(p, a))
     throw std::invalid_argument(std::string("attention: path '") + attn_path_name(p) +
@@ -398,12 +450,13 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
 void bind_attention(py::module_& m) {
   m.def("attention", &attention_py, py::arg("q"), py::arg("kv"), py::arg("layer"),
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
-        py::arg("tree") = py::none(), py::arg("window") = 0,
+        py::arg("tree") = py::none(), py::arg("window") = 0, py::arg("q8") = py::none(),
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
         "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree); window > 0: sliding "
-        "window, a row at position p attends keys p - window + 1 .. p");
+        "window, a row at position p attends keys p - window + 1 .. p; q8 = (int8 values, "
+        "E8M0 scales) of the INT8 draft copy (kv_q8_quantize): attend over it instead of kv's BF16 rows");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

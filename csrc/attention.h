@@ -12,12 +12,19 @@
 #include <vector>
 
 #include "cpu.h"
+#include "kv_q8.h"
 
 namespace qspec {
 
 struct KvCacheView {
   uint16_t* data = nullptr;
   int64_t layers = 0, max_seq = 0, kv_heads = 0, head_dim = 0;
+  // The INT8 draft copy (csrc/kv_q8.h), or null: the same rows as int8 values
+  // [layers][2][max_seq][kv_heads][head_dim] and one E8M0 scale per kQ8Block values
+  // [layers][2][max_seq][kv_heads][head_dim / kQ8Block]. Every forward that writes a BF16 row
+  // also writes its INT8 copy; only MX draft passes read it (AttnArgs::draft_q8).
+  int8_t* q8 = nullptr;
+  uint8_t* q8_scale = nullptr;
 
   int64_t row_elems() const { return kv_heads * head_dim; }  // one position of K or V
   uint16_t* k(int64_t layer, int64_t pos) const {
@@ -25,6 +32,13 @@ struct KvCacheView {
   }
   uint16_t* v(int64_t layer, int64_t pos) const {
     return data + ((layer * 2 + 1) * max_seq + pos) * row_elems();
+  }
+  // kv_index 0 = K, 1 = V
+  int8_t* q8_row(int64_t layer, int kv_index, int64_t pos) const {
+    return q8 + ((layer * 2 + kv_index) * max_seq + pos) * row_elems();
+  }
+  uint8_t* q8_scales(int64_t layer, int kv_index, int64_t pos) const {
+    return q8_scale + ((layer * 2 + kv_index) * max_seq + pos) * (row_elems() / kQ8Block);
   }
 };
 
@@ -57,6 +71,10 @@ struct AttnArgs {
   int64_t window = 0;
   KvCacheView kv;
   const AttnTree* tree = nullptr;  // null: linear rows (row i at position start_pos + i)
+  // Read K/V from the INT8 draft copy (kv.q8, head_dim a multiple of kQ8Block) instead of BF16:
+  // the MX draft passes. The same rules hold (causal, segments, batch invariance, tree rows ==
+  // linear rows); the values are the dequantized copy, exact in FP32.
+  bool draft_q8 = false;
 };
 
 // Logical position of query row i (its keys are 0..attn_row_pos).
@@ -175,5 +193,11 @@ void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_
                      const AttnPartials& part);
 void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                        int64_t seg, const AttnPartials& part);
+// The same over the INT8 draft copy (a.draft_q8; csrc/x86/attention_q8_impl.h).
+void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
+void attn_group_q8_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
+                        const AttnPartials& part);
+void attn_group_q8_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
+                          int64_t seg, const AttnPartials& part);
 
 }  // namespace qspec

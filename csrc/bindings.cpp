@@ -74,6 +74,7 @@ PYBIND11_MODULE(_C, m) {
   bind_mx(m);
   bind_gemm(m);
   bind_attention(m);
+  bind_kv_q8(m);
   bind_model(m);
   bind_membw(m);
   bind_shm_group(m);

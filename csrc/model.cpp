@@ -259,8 +259,9 @@ class Model {
   // tokens [m] at positions start_pos..; logits [m or 1, vocab]. With a tree (attention.h), row r
   // is the node at slot start_pos + r: RoPE at its logical position prefix + depth, K/V into its
   // slot, attention over its prefix and path.
+  // draft_q8: attention reads the cache's INT8 draft copy (kv.q8), which every pass writes when present.
   void forward(const int32_t* tokens, int64_t m, int64_t start_pos, const KvCacheView& kv, int set,
-               bool all_logits, float* logits, const AttnTree* tree = nullptr) {
+               bool all_logits, float* logits, const AttnTree* tree = nullptr, bool draft_q8 = false) {
     const auto t_start = ProfClock::now();
     auto t = t_start;  // the last boundary between profile pieces
     auto lap = [&](double& piece) {
@@ -326,6 +327,10 @@ class Model {
           kd[i] = f32_to_bf16(row[q_n + i]);
           vd[i] = f32_to_bf16(row[q_n + kv_n + i]);
         }
+        if (kv.q8) {  // the INT8 draft copy of the rows just written
+          kv_q8_quantize(kd, kv_n, kv.q8_row(l, 0, pos), kv.q8_scales(l, 0, pos));
+          kv_q8_quantize(vd, kv_n, kv.q8_row(l, 1, pos), kv.q8_scales(l, 1, pos));
+        }
       });
       AttnArgs a;
       a.q = q_.data();
@@ -338,6 +343,7 @@ class Model {
       a.window = layer_window_[l];
       a.kv = kv;
       a.tree = tree;
+      a.draft_q8 = draft_q8;
       lap(prof_.rowwise);
       RegionTiming& attn_idle = attn_timing();
       attn_idle = RegionTiming();
@@ -499,7 +505,9 @@ void bind_model(py::module_& m) {
           "forward",
           [](Model& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start_pos,
              py::array_t<uint16_t, py::array::c_style> kv, int set, bool all_logits,
-             py::array_t<float, py::array::c_style> out, std::optional<std::pair<int64_t, py::object>> tree) {
+             py::array_t<float, py::array::c_style> out, std::optional<std::pair<int64_t, py::object>> tree,
+             std::optional<std::pair<py::array_t<int8_t, py::array::c_style>, py::array_t<uint8_t, py::array::c_style>>> kv_q8,
+             bool draft_q8) {
             Model::check_set(set);
             if (!self.has_set(set)) throw std::invalid_argument("weight set is not fully loaded");
             const int64_t m = tokens.size();
@@ -523,6 +531,17 @@ void bind_model(py::module_& m) {
             view.max_seq = kv.shape(2);
             view.kv_heads = kv.shape(3);
             view.head_dim = kv.shape(4);
+            if (kv_q8) {  // the INT8 draft copy: [layers, 2, capacity, kv_heads, head_dim (/ 32)]
+              auto& [qv, qs] = *kv_q8;
+              bool ok = qv.ndim() == 5 && qs.ndim() == 5 && self.head_dim() % kQ8Block == 0 &&
+                        qv.shape(4) == kv.shape(4) && qs.shape(4) == kv.shape(4) / kQ8Block;
+              for (int d = 0; ok && d < 4; ++d) ok = qv.shape(d) == kv.shape(d) && qs.shape(d) == kv.shape(d);
+              if (!ok) throw std::invalid_argument("kv_q8 must be (int8 [layers, 2, capacity, kv_heads, head_dim], "
+                                                   "uint8 [.., head_dim / 32]) matching kv");
+              view.q8 = qv.mutable_data();
+              view.q8_scale = qs.mutable_data();
+            }
+            if (draft_q8 && !view.q8) throw std::invalid_argument("draft_q8 needs kv_q8");
             float* o = out.mutable_data();
             std::optional<AttnTreePaths> paths;
             if (tree) {
@@ -531,11 +550,13 @@ void bind_model(py::module_& m) {
               paths.emplace(tree->first, par.data(), par.shape(0), start_pos, m);
             }
             py::gil_scoped_release release;
-            self.forward(t, m, start_pos, view, set, all_logits, o, paths ? &paths->view : nullptr);
+            self.forward(t, m, start_pos, view, set, all_logits, o, paths ? &paths->view : nullptr, draft_q8);
           },
           py::arg("tokens"), py::arg("start_pos"), py::arg("kv"), py::arg("set"), py::arg("all_logits"),
-          py::arg("out"), py::arg("tree") = py::none(),
-          "tree = (prefix, parents): row r is the draft-tree node at slot start_pos + r (attention.h)");
+          py::arg("out"), py::arg("tree") = py::none(), py::arg("kv_q8") = py::none(), py::arg("draft_q8") = false,
+          "tree = (prefix, parents): row r is the draft-tree node at slot start_pos + r (attention.h); "
+          "kv_q8 = the cache's INT8 draft copy (values, scales), written with every row; draft_q8: "
+          "attention reads it instead of the BF16 rows");
   m.def("silu_mul", [](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
                        const std::string& path) {
     if (gate.ndim() != 1 || up.ndim() != 1 || gate.size() != up.size())

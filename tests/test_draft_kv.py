@@ -1,0 +1,227 @@
+"""The INT8 draft copy of the KV cache (csrc/kv_q8.h, csrc/x86/attention_q8_impl.h, qspec/kv_cache.py).
+
+- The quantizer equals an independent numpy implementation of its rule, bit for bit.
+- Attention over the copy, on every path this build can run (ref, avx2, avx512 under the
+  ISA-emulation build), against a float64 computation over the dequantized values.
+- Batch invariance (row i bit-identical for any m, thread count) and tree rows == linear rows.
+- Through the model: the drafts read the copy (their logits change, within a bound), every pass
+  writes it (after prefill, speculation with chains and trees, prefix reuse, move_rows it equals
+  the quantized BF16 rows), and greedy speculative == plain at every context length tested.
+"""
+
+import numpy as np
+import pytest
+
+import qspec
+from qspec import _C
+from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
+
+PATHS = _C.attn_paths()
+ISA_LEVELS = _C.cpu_info()["isa_levels"]
+# FP32 accumulation over up to ~1300 keys against a float64 oracle (as tests/test_attention.py)
+TOL_F32_VS_F64 = dict(rtol=1e-4, atol=3e-5)
+# dequantization error of one value: half a step, 2^s / 2 <= max|block| / 127
+Q8_REL_STEP = 1 / 127
+
+
+def bf16(x):
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def f32(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def quantize_np(bits):
+    """The rule of csrc/kv_q8.h in numpy: per 32 values s = min s with max|x| <= 127 * 2^s."""
+    x = f32(bits).astype(np.float64).reshape(-1, 32)
+    amax = np.abs(x).max(axis=1)
+    s = np.full(amax.shape, -126)
+    nz = amax > 0
+    s[nz] = np.ceil(np.log2(amax[nz] / 127)).astype(int)
+    s[nz & (amax > 127 * np.exp2(s.astype(float)))] += 1  # log2 rounding guard
+    s[nz & (amax <= 127 * np.exp2(s.astype(float) - 1))] -= 1
+    s = np.clip(s, -126, 127)
+    q = np.clip(np.rint(x / np.exp2(s.astype(float))[:, None]), -127, 127).astype(np.int8)
+    return q.reshape(bits.shape), (s + 127).astype(np.uint8).reshape(*bits.shape[:-1], -1)
+
+
+def dequant(q, e):
+    return q.astype(np.float64) * np.exp2(np.repeat(e.astype(np.float64) - 127, 32, axis=-1))
+
+
+def test_quantizer_matches_its_rule():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 128)) * np.exp2(rng.integers(-20, 20, (64, 1)))
+    x[3] = 0.0
+    x[4, :32] = 127.0  # exactly representable at s = 0
+    x[5, :32] = 127.5  # needs s = 1
+    x[6, 5] = -3e38
+    bits = bf16(x)
+    q, e = _C.kv_q8_quantize(bits)
+    q_ref, e_ref = quantize_np(bits)
+    np.testing.assert_array_equal(e, e_ref)
+    np.testing.assert_array_equal(q, q_ref)
+    assert e[4, 0] == 127 and e[5, 0] == 128 and not q[3].any()
+    err = np.abs(dequant(q, e) - f32(bits)).reshape(-1, 32)
+    assert (err <= np.abs(f32(bits)).reshape(-1, 32).max(axis=1, keepdims=True) * Q8_REL_STEP).all()
+
+
+def make_cache(max_seq, kv_heads, head_dim, seed=0):
+    rng = np.random.default_rng(seed)
+    kv = bf16(rng.standard_normal((2, 2, max_seq, kv_heads, head_dim)) * 1.5)
+    return kv, _C.kv_q8_quantize(kv)
+
+
+def attention_f64(q, vals, layer, start_pos):
+    """Causal GQA attention in float64 over given K/V values [layers, 2, seq, kvh, hd]."""
+    m, h, hd = q.shape
+    kvh = vals.shape[3]
+    out = np.empty((m, h, hd))
+    for i in range(m):
+        p = start_pos + i
+        k = np.repeat(vals[layer, 0, :p + 1], h // kvh, axis=1)
+        v = np.repeat(vals[layer, 1, :p + 1], h // kvh, axis=1)
+        s = np.einsum("hd,jhd->hj", q[i].astype(np.float64), k) / np.sqrt(hd)
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        out[i] = np.einsum("hj,jhd->hd", w / w.sum(axis=1, keepdims=True), v)
+    return out
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 96)])
+@pytest.mark.parametrize("start_pos,m", [(0, 1), (37, 5), (255, 2), (700, 17), (1300, 1)])
+def test_kernel_against_f64(path, shape, start_pos, m):
+    n_heads, kv_heads, hd = shape
+    kv, q8 = make_cache(start_pos + m + 3, kv_heads, hd)
+    q = np.random.default_rng(1).standard_normal((m, n_heads, hd)).astype(np.float32)
+    got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8)
+    np.testing.assert_allclose(got, attention_f64(q, dequant(*q8), 1, start_pos), **TOL_F32_VS_F64)
+    bf = _C.attention(q, kv, 1, start_pos, path=path)
+    assert not np.array_equal(got, bf)  # it reads the copy, not the BF16 rows
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_batch_invariant_and_deterministic(path):
+    kv, q8 = make_cache(700, 3, 64, seed=2)
+    q = np.random.default_rng(3).standard_normal((33, 9, 64)).astype(np.float32)
+    start = 600
+    whole = _C.attention(q, kv, 0, start, path=path, q8=q8)
+    threads = _C.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            _C.set_num_threads(t)
+            for i in (0, 7, 32):
+                one = _C.attention(q[i:i + 1], kv, 0, start + i, path=path, q8=q8)
+                np.testing.assert_array_equal(one[0], whole[i])
+            q2 = q.copy()
+            q2[1:] = 0  # other rows' contents do not matter
+            np.testing.assert_array_equal(_C.attention(q2, kv, 0, start, path=path, q8=q8)[0], whole[0])
+    finally:
+        _C.set_num_threads(threads)
+    np.testing.assert_array_equal(_C.attention(q, kv, 0, start, path=path, q8=q8), whole)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("prefix", [5, 263])
+def test_tree_rows_equal_linear_path(path, prefix):
+    rng = np.random.default_rng(4)
+    parents = [-1, prefix, prefix, prefix + 1, prefix + 3, prefix + 2]
+    m = len(parents)
+    kv, q8 = make_cache(prefix + m + 8, 2, 64, seed=5)
+    q = rng.standard_normal((m, 4, 64)).astype(np.float32)
+    got = _C.attention(q, kv, 0, prefix, path=path, tree=(prefix, parents), q8=q8)
+    for i in range(m):
+        path_slots, s = [], prefix + i
+        while s != -1:
+            path_slots.insert(0, s)
+            s = parents[s - prefix]
+        lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
+        for j, slot in enumerate(path_slots):
+            for a, b in ((lin_kv, kv), (lin_q8[0], q8[0]), (lin_q8[1], q8[1])):
+                a[:, :, prefix + j] = b[:, :, slot]
+        pos = prefix + len(path_slots) - 1
+        lin = _C.attention(q[i:i + 1], lin_kv, 0, pos, path=path, q8=lin_q8)
+        np.testing.assert_array_equal(got[i], lin[0])
+
+
+def test_kernel_argument_errors():
+    kv, (qv, qs) = make_cache(16, 2, 64)
+    q = np.zeros((1, 4, 64), np.float32)
+    for bad in [(qv[:, :, :8], qs), (qv.astype(np.uint8), qs), (qv, qs[..., :1])]:
+        with pytest.raises(ValueError, match="q8"):
+            _C.attention(q, kv, 0, 3, q8=bad)
+
+
+# ---------------------------------------------------------------- through the model
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cfg = synthetic_config("smollm2-135m", hidden_size=128, intermediate_size=256, n_layers=2, n_heads=4,
+                           n_kv_heads=2, head_dim=32, vocab_size=64, max_seq_len=4096)
+    return save_model_dir(tmp_path_factory.mktemp("q8"), cfg, synthetic_weights(cfg))
+
+
+def copy_matches(kv, n):
+    q, e = _C.kv_q8_quantize(np.ascontiguousarray(kv.data[:, :, :n]))
+    return np.array_equal(q, kv.q8[0][:, :, :n]) and np.array_equal(e, kv.q8[1][:, :, :n])
+
+
+def test_memory_figure(model_dir):
+    eng = qspec.load(model_dir, draft="mxfp4", draft_kv="int8")
+    kv = eng.backend.kv
+    bf16_bytes = 2 * 2 * 2 * 32 * 2  # layers x (K, V) x kv_heads x head_dim x 2 bytes
+    assert kv.bytes_per_position == bf16_bytes * (1 + 33 / 64)  # the copy: 51.6% of the BF16 cache
+    assert "INT8 draft copy (52% of the BF16 cache)" in eng.memory(1000)
+    assert qspec.load(model_dir, draft="mxfp4", draft_kv="bf16").backend.kv.q8 is None
+    assert qspec.load(model_dir, draft=None).backend.kv.q8 is None
+    with pytest.raises(ValueError, match="draft_kv"):
+        qspec.load(model_dir, draft_kv="int4")
+
+
+def test_drafts_read_the_copy_target_does_not(model_dir):
+    a = qspec.load(model_dir, draft="mxfp4", draft_kv="int8").backend
+    b = qspec.load(model_dir, draft="mxfp4", draft_kv="bf16").backend
+    ids = np.random.default_rng(6).integers(0, 64, 300).tolist()
+    for be in (a, b):
+        be.kv.ensure_capacity(400)
+    np.testing.assert_array_equal(a.forward(ids, 0, all_logits=True), b.forward(ids, 0, all_logits=True))
+    np.testing.assert_array_equal(a.kv.data[:, :, :300], b.kv.data[:, :, :300])
+    assert copy_matches(a.kv, 300)
+    da, db = a.forward(ids[-4:], 296, draft=True, all_logits=True), b.forward(ids[-4:], 296, draft=True, all_logits=True)
+    assert not np.array_equal(da, db)
+    assert np.abs(da - db).max() < 0.05 * np.abs(db).max()  # INT8 K/V: a small change of the draft
+
+
+@pytest.mark.parametrize("isa", ISA_LEVELS[1:])  # the scalar level: tests/test_draft_kv.py kernels only
+def test_greedy_speculative_equals_plain_at_every_context(model_dir, isa):
+    _C.set_isa_limit(isa)
+    try:
+        eng = qspec.load(model_dir, draft="mxfp4", draft_kv="int8")
+        rng = np.random.default_rng(7)
+        for n_ctx in (20, 300, 1100):
+            ids = rng.integers(0, 64, n_ctx).tolist()
+            want = eng.generate(ids, max_new_tokens=24, speculative=False).tokens
+            for kw in (dict(draft_max=4), dict(draft_max="auto"), dict(tree="on")):
+                got = eng.generate(ids, max_new_tokens=24, **kw)
+                assert got.tokens == want, (n_ctx, kw)
+                assert got.stats["drafted"] > 0
+                kv = eng.backend.kv
+                assert copy_matches(kv, kv.length), (n_ctx, kw)  # verify, rejection and move_rows kept it
+            # prefix reuse: the next turn's rows (and their copy) equal a full prefill's
+            more = ids + want + rng.integers(0, 64, 10).tolist()
+            r = eng.generate(more, max_new_tokens=8)
+            assert r.stats["cached_prompt_tokens"] > 0 and copy_matches(eng.backend.kv, eng.backend.kv.length)
+            assert r.tokens == eng.generate(more, max_new_tokens=8, speculative=False).tokens
+    finally:
+        _C.set_isa_limit(_C.isa_detected())
+
+
+def test_auto_reads_the_copy_from_the_threshold(model_dir):
+    from qspec.native import DRAFT_KV_AUTO_MIN
+
+    be = qspec.load(model_dir, draft="mxfp4").backend  # draft_kv="auto"
+    assert be.kv.q8 is not None
+    assert not be.reads_draft_copy(True, DRAFT_KV_AUTO_MIN - 1) and be.reads_draft_copy(True, DRAFT_KV_AUTO_MIN)
+    assert not be.reads_draft_copy(False, 10 * DRAFT_KV_AUTO_MIN)  # never the target
