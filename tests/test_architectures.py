@@ -193,7 +193,7 @@ def test_hub_style_configs():
     assert g.tie_word_embeddings and g.qk_norm and g.sandwich_norms and g.hidden_act == "gelu_tanh"
     assert g.layer_rope == (1, 1, 1, 1, 1, 0) * 4 + (1, 1) and g.rope_local_theta == 10000.0
     assert g.layer_window[:6] == (512,) * 5 + (0,) and g.rope_theta == 1e6
-    assert g.embed_scale == float(np.float32(1152 ** 0.5)) and g.attention_scale == 256 ** -0.5
+    assert g.embed_scale == float(np.float32(1152 ** 0.5)) and g.query_scale == 256 ** -0.5
     p = ModelConfig.from_dict(PHI35_MINI)
     assert p.fused_checkpoint and p.rope_scaling["rope_type"] == "longrope"
     assert p.rope_scaling["original_max_position_embeddings"] == 4096 and p.layer_window == (262144,) * 32
