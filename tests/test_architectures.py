@@ -126,7 +126,7 @@ def test_logits_match_transformers(family):
     assert err_torch <= LOGITS_RTOL_TORCH * scale, model_type
 
 
-def test_greedy_speculative_chain_and_tree_equal_plain(family):
+def test_greedy_speculative_chain_tree_and_levels_equal_plain(family):
     model_type, model_dir = family
     eng = qspec.load(model_dir, draft="mxfp4")
     prompt = _ids(240, seed=2)  # decoding crosses position 256 (a second attention segment)
@@ -137,6 +137,8 @@ def test_greedy_speculative_chain_and_tree_equal_plain(family):
     assert tree.tokens == want and tree.stats["tree_steps"] > 0, model_type
     again = eng.generate(prompt, max_new_tokens=40, speculative=False).tokens  # prefix reuse
     assert again == want, model_type
+    levels = qspec.load(model_dir, draft="mxfp6_e2m3", draft_levels=["mxfp4"])  # a chain of draft levels
+    assert levels.generate(prompt, max_new_tokens=40).tokens == want, model_type
 
 
 def test_unsupported_architecture_is_one_line():
