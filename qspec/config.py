@@ -170,10 +170,6 @@ class ModelConfig:
         """Columns of each head that RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
 
-    @property
-    def attention_scale(self) -> float:
-        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
-
     def rope_table_of(self, layer: int) -> int:
         return self.layer_rope[layer] if self.layer_rope else 0
 

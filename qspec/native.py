@@ -253,8 +253,10 @@ class NativeBackend:
                 {"hidden_size": cfg.hidden_size, "intermediate_size": local.intermediate_size,
                  "n_layers": cfg.n_layers, "n_heads": local.n_heads, "n_kv_heads": local.n_kv_heads,
                  "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "lm_head_rows": shard.vocab_rows,
-                 "rms_norm_eps": cfg.rms_norm_eps, "embed_scale": cfg.embed_scale,
-                 "attn_scale": cfg.attention_scale, "rope_dim": cfg.rope_dim, "hidden_act": cfg.hidden_act},
+                 "rms_norm_eps": cfg.rms_norm_eps, "embed_scale": cfg.embed_scale, "rope_dim": cfg.rope_dim,
+                 "hidden_act": cfg.hidden_act,
+                 # unset: the model's own 1/sqrt(head_dim) in fp32 (a double's rounding may differ)
+                 **({} if cfg.query_scale is None else {"attn_scale": cfg.query_scale})},
                 self._embed, target_packed["norm"])
             for i in range(cfg.n_layers):
                 p = f"layers.{i}."

@@ -126,7 +126,7 @@ def test_logits_match_transformers(family):
     assert err_torch <= LOGITS_RTOL_TORCH * scale, model_type
 
 
-def test_greedy_speculative_chain_and_tree_equal_plain(family):
+def test_greedy_speculative_chain_tree_and_levels_equal_plain(family):
     model_type, model_dir = family
     eng = qspec.load(model_dir, draft="mxfp4")
     prompt = _ids(240, seed=2)  # decoding crosses position 256 (a second attention segment)
@@ -137,6 +137,8 @@ def test_greedy_speculative_chain_and_tree_equal_plain(family):
     assert tree.tokens == want and tree.stats["tree_steps"] > 0, model_type
     again = eng.generate(prompt, max_new_tokens=40, speculative=False).tokens  # prefix reuse
     assert again == want, model_type
+    levels = qspec.load(model_dir, draft="mxfp6_e2m3", draft_levels=["mxfp4"])  # a chain of draft levels
+    assert levels.generate(prompt, max_new_tokens=40).tokens == want, model_type
 
 
 def test_unsupported_architecture_is_one_line():
@@ -193,7 +195,7 @@ def test_hub_style_configs():
     assert g.tie_word_embeddings and g.qk_norm and g.sandwich_norms and g.hidden_act == "gelu_tanh"
     assert g.layer_rope == (1, 1, 1, 1, 1, 0) * 4 + (1, 1) and g.rope_local_theta == 10000.0
     assert g.layer_window[:6] == (512,) * 5 + (0,) and g.rope_theta == 1e6
-    assert g.embed_scale == float(np.float32(1152 ** 0.5)) and g.attention_scale == 256 ** -0.5
+    assert g.embed_scale == float(np.float32(1152 ** 0.5)) and g.query_scale == 256 ** -0.5
     p = ModelConfig.from_dict(PHI35_MINI)
     assert p.fused_checkpoint and p.rope_scaling["rope_type"] == "longrope"
     assert p.rope_scaling["original_max_position_embeddings"] == 4096 and p.layer_window == (262144,) * 32
