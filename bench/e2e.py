@@ -1,6 +1,7 @@
 """End to end: plain BF16 vs speculative decoding in one run (docs/benchmarking.md rule 5):
 `qspec bench e2e [--model NAME|DIR] [--prompt-file F] [--threads N] [--quick] [--json PATH] [--plot PATH]
-[--drafts ...] [--ks ...]` (or `python -m bench.e2e ...` from a development install).
+[--drafts ...] [--ks ...] [--context N] [--draft-kv MODES]` (or `python -m bench.e2e ...` from a
+development install).
 A setting in --ks is K (1..32), "auto", or either with "@P" for draft_p_min = P (e.g.
 `--ks 1,auto,auto@0.8`); without "@P" the engine's default draft_p_min applies.
 An entry of --drafts is a draft chain (qspec/levels.py): level 1 (FORMAT[:LM_HEAD] or ngram), then

@@ -58,7 +58,8 @@ def test_memory_checked_before_any_weight_is_read(tiny, monkeypatch):
     monkeypatch.setattr(qspec.engine, "load_weights", no_weights)
     with pytest.raises(ContextMemoryError) as e:
         qspec.load(tiny, ctx_size=HUGE)
-    need = str(HUGE * kv_bytes_per_token(qspec.config.ModelConfig.from_file(tiny / "config.json")))
+    # the BF16 cache and the INT8 draft copy of the default draft (draft_kv="auto")
+    need = str(cache_bytes(qspec.config.ModelConfig.from_file(tiny / "config.json"), HUGE, True))
     assert need in str(e.value) and "available" in str(e.value)
 
 
