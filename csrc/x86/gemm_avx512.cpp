@@ -102,8 +102,7 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
   }
   const int8_t* q[MB];
   for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lut = avx512::q4_lut_biased();
   const __m512i ones = _mm512_set1_epi16(1);
   for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
     __m512i isum[MB][NB];
@@ -114,9 +113,7 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
         __m512i wv[NB];
         for (int j = 0; j < NB; ++j) {
           if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (slab + 2 * kPrefetchK) * 32), _MM_HINT_T0);
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
-          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-          wv[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(both, low4));
+          wv[j] = avx512::q4_slab(w[j] + slab * 32, lut);
         }
         for (int i = 0; i < MB; ++i) {
           int32_t q4;

@@ -163,10 +163,9 @@ void q6_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 }
 
 // ----------------------------------------------------------------------------- driver
-using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
+using avx512::TileFn;
 
 constexpr int kFpMaxMB = 16, kFpMaxNB = 4, kQ6MaxMB = 8;
-constexpr int64_t kL1Bytes = 32768;  // K-chunk budget when several row tiles re-read weights
 
 // Row blocks per tile of MB rows: at least 8 independent FMA chains (MB * NB) from two rows of x
 // on, 4 with one row (whose decode work per k pair already spans the FMA latency), at most 16
@@ -196,40 +195,18 @@ constexpr auto kSraTiles = fp_tiles<kF16Sra>(std::make_integer_sequence<int, kFp
 constexpr auto kI8Tiles = fp_tiles<kI8>(std::make_integer_sequence<int, kFpMaxMB * kFpMaxNB>());
 constexpr auto kQ6Tiles = q6_tiles(std::make_integer_sequence<int, kQ6MaxMB>());
 
-// x split into balanced row tiles of <= mbmax rows (17 rows: 9 + 8, never 16 + 1); groups of
-// nbmax row blocks. With several row tiles, K is chunked so the group's weights are re-read from
-// L1. table[(mb - 1) * row_stride + nbn - 1] is the tile of mb rows x nbn blocks.
-void run_tiles(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const TileFn* table, int row_stride,
-               int mbmax, int nbmax, int64_t weight_bytes_per_k, int64_t x_bytes_per_k) {
-  const int64_t ntiles = (a.m + mbmax - 1) / mbmax;
-  int64_t kc = ntiles == 1 ? a.kp : (kL1Bytes / (weight_bytes_per_k * nbmax + x_bytes_per_k * a.m)) / kKBlk * kKBlk;
-  if (kc < kKBlk) kc = kKBlk;
-  for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
-    const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
-    for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
-      const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
-      for (int64_t tile = 0, m0 = 0; tile < ntiles; ++tile) {
-        const int mb = int(a.m * (tile + 1) / ntiles - m0);
-        table[(mb - 1) * row_stride + nbn - 1](a, nb, m0, k0, k1, acc, k0 == 0);
-        m0 += mb;
-      }
-    }
-    store_rows(a, nb, nbn, acc);
-  }
-}
-
 }  // namespace
 
 void gemm_blocks_mx_avx512(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc) {
   GemmArgs a = args;
   if (a.prefetch == 0) a.prefetch = a.kind == kQ6 ? 4096 : 1024;
   if (a.kind == kQ6) {
-    run_tiles(a, nb0, nb1, acc, kQ6Tiles.data(), 1, kQ6MaxMB, 1, kQ6BlockBytes / kKBlk, 1);
+    avx512::run_row_tiles(a, nb0, nb1, acc, kQ6Tiles.data(), 1, kQ6MaxMB, 1, kQ6BlockBytes / kKBlk, 1);
     return;
   }
   const TileFn* table = a.kind == kF16Shl ? kShlTiles.data() : a.kind == kF16Sra ? kSraTiles.data() : kI8Tiles.data();
   const int nbmax = fp_blocks_for(a.m < kFpMaxMB ? int(a.m) : kFpMaxMB);
-  run_tiles(a, nb0, nb1, acc, table, kFpMaxNB, kFpMaxMB, nbmax, kRows, 4);
+  avx512::run_row_tiles(a, nb0, nb1, acc, table, kFpMaxNB, kFpMaxMB, nbmax, kRows, 4);
 }
 
 }  // namespace detail

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gemm_avx512.h"
 #include "gemm_internal.h"
 
 namespace qspec {
@@ -85,17 +86,6 @@ inline void dot(int t, int i, int j) {
 #undef QSPEC_TDP
 }
 
-// 16 E8M0 bytes -> 2^(s-127); 0x00 -> 2^-127 (subnormal), 0xFF -> NaN (as ref).
-inline __m512 e8m0x16(const uint8_t* p) {
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(s), 23);
-  const __mmask16 zero = __mmask16(_mm_movemask_epi8(_mm_cmpeq_epi8(s, _mm_setzero_si128())));
-  const __mmask16 nan = __mmask16(_mm_movemask_epi8(_mm_cmpeq_epi8(s, _mm_set1_epi8(-1))));
-  bits = _mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(0x00400000));
-  bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(bits);
-}
-
 // Rows [m0, m0 + rows) (rows <= 32: mt = 1 or 2 row tiles) x row blocks [nb0, nb1) over all K.
 void q4_rows(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t m0, int64_t rows, float* acc) {
   const int mt = rows > 16 ? 2 : 1;
@@ -103,8 +93,7 @@ void q4_rows(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t m0, int64_t ro
   const int rows0 = int(rows < 16 ? rows : 16), rows1 = int(rows - rows0);
   configure_tiles(mt, nbb, rows0, mt == 2 ? rows1 : rows0);
   const int64_t kb = a.kp / kKBlk;
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lut = avx512::q4_lut_signed();
   alignas(64) int8_t bbuf[4][8 * 64];
   alignas(64) int32_t cbuf[16 * 16];
   for (int64_t nb = nb0; nb < nb1; nb += nbb) {
@@ -117,11 +106,7 @@ void q4_rows(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t m0, int64_t ro
         _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 64), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 128), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 192), _MM_HINT_T0);
-        for (int g = 0; g < 8; ++g) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 32));
-          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-          _mm512_store_si512(bbuf[j] + g * 64, _mm512_shuffle_epi8(lut, _mm512_and_si512(both, low4)));
-        }
+        for (int g = 0; g < 8; ++g) _mm512_store_si512(bbuf[j] + g * 64, avx512::q4_slab(w + g * 32, lut));
       }
       for (int i = 0; i < mt; ++i) {
         load_a(i, a.xq + (m0 + 16 * i) * a.kp + b * kKBlk, a.kp);
@@ -136,7 +121,7 @@ void q4_rows(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t m0, int64_t ro
         const int64_t r0 = m0 + 16 * i, nr = i == 0 ? rows0 : rows1;
         for (int j = 0; j < nbn; ++j) {
           store_c(i * nbb + j, cbuf);
-          const __m512 d = e8m0x16(a.scales + ((nb + j) * kb + b) * kRows);
+          const __m512 d = avx512::e8m0x16(a.scales + ((nb + j) * kb + b) * kRows);
           for (int64_t r = 0; r < nr; ++r) {
             const __m512 fi = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + r * 16));
             const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a.xd[(r0 + r) * kb + b]));

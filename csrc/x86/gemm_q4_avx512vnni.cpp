@@ -25,11 +25,9 @@ namespace {
 
 using avx512::acc_row;
 using avx512::e8m0x16;
-using avx512::store_rows;
 
 constexpr int kMaxMB = 8, kMaxNB = 4;
 constexpr int64_t kPrefetchSlabs = 64;   // 2 KB ahead in each row block's stream
-constexpr int64_t kL1Bytes = 32768;      // K-chunk budget when several row tiles re-read weights
 
 // MB rows of Q8 x (from m0) times NB row blocks (from nb) over the MX blocks of [k0, k1).
 // Accumulators: MB * NB int32 vectors per MX block (<= 16, + NB weights + 1 broadcast of 32 zmm);
@@ -48,8 +46,7 @@ void q4_vnni_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
   }
   const int8_t* q[MB];
   for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lut = avx512::q4_lut_biased();
   for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
     __m512i isum[MB][NB];
     for (int i = 0; i < MB; ++i)
@@ -59,9 +56,7 @@ void q4_vnni_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) {
         if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (slab + kPrefetchSlabs) * 32), _MM_HINT_T0);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-        wv[j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(both, low4));
+        wv[j] = avx512::q4_slab(w[j] + slab * 32, lut);
       }
       for (int i = 0; i < MB; ++i) {
         int32_t q4;
@@ -83,7 +78,7 @@ void q4_vnni_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
   }
 }
 
-using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
+using avx512::TileFn;
 
 template <int I>
 constexpr TileFn tile_entry() {
@@ -104,22 +99,8 @@ constexpr int blocks_for(int mb) { return mb <= 4 ? 4 : 2; }
 // group's weights is re-read from L1 (and decoded again: the decode is a few ops per slab).
 void gemm_blocks_q4_vnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   const int64_t ntiles = (a.m + kMaxMB - 1) / kMaxMB;
-  const int mb_first = int((a.m + ntiles - 1) / ntiles);
-  const int nbmax = blocks_for(mb_first);
-  int64_t kc = ntiles == 1 ? a.kp : (kL1Bytes / (16 * nbmax + a.m)) / kKBlk * kKBlk;
-  if (kc < kKBlk) kc = kKBlk;
-  for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
-    const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
-    for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
-      const int64_t k1 = k0 + kc < a.kp ? k0 + kc : a.kp;
-      for (int64_t tile = 0, m0 = 0; tile < ntiles; ++tile) {
-        const int mb = int(a.m * (tile + 1) / ntiles - m0);
-        kTiles[(mb - 1) * kMaxNB + nbn - 1](a, nb, m0, k0, k1, acc, k0 == 0);
-        m0 += mb;
-      }
-    }
-    store_rows(a, nb, nbn, acc);
-  }
+  const int nbmax = blocks_for(int((a.m + ntiles - 1) / ntiles));
+  avx512::run_row_tiles(a, nb0, nb1, acc, kTiles.data(), kMaxNB, kMaxMB, nbmax, 16, 1);
 }
 
 }  // namespace detail
