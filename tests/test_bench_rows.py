@@ -3,17 +3,20 @@
 import json
 import math
 
+import torch
+
 from qspec import _C
 from qspec.bench import rows
 
 
 def test_rows_quick_reports_d_and_c(tmp_path):
     out = tmp_path / "rows.jsonl"
-    threads = _C.get_num_threads()
+    threads, torch_threads = _C.get_num_threads(), torch.get_num_threads()
     try:
         rows.main(["--quick", "--ms", "1,2", "--json", str(out)])
     finally:
         _C.set_num_threads(threads)  # the bench runs on one thread; later tests keep the suite's count
+        torch.set_num_threads(torch_threads)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     per_gemm = [r for r in lines if "cpu_us_median" in r]
     summary = [r for r in lines if "d(2)" in r]
