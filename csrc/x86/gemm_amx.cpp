@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "amx_tiles.h"
 #include "gemm_internal.h"
 
 namespace qspec {
@@ -37,28 +38,15 @@ namespace {
 constexpr int64_t kTileBytes = 1024;         // one B tile: 16 k pairs x 16 rows x 2 bf16
 constexpr int64_t kDefaultPrefetch = 2 * kTileBytes;  // bytes ahead in each row block's stream
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Every tile 16 rows x 64 bytes. Tiles 0-3: C (16 x 16 fp32), 4-5: A (16 rows x 32 bf16),
 // 6-7: B (16 k pairs x 16 x 2 bf16).
 void configure_tiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  amx::TileConfig cfg = amx::tile_config();
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  // GCC 12's _tile_loadconfig under-declares its memory input: without this barrier the
-  // stores to cfg above can be dropped as dead.
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&cfg);
+  amx::load_tile_config(cfg);
 }
 
 // The tile intrinsics take tile numbers as literal tokens (pasted into the asm), so the

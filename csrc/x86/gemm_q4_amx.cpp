@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "gemm_avx512.h"
 #include "gemm_internal.h"
 
@@ -24,20 +25,10 @@ namespace qspec {
 namespace detail {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tiles 0-3: C (rows x 16 int32); 4-5: A (rows x 32 Q8 bytes, row tiles 0 and 1);
 // 6-7: B (8 x 64 bytes). rows0 / rows1: the rows of row tile 0 / 1 (1..16).
 void configure_tiles(int mt, int nbb, int rows0, int rows1) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  amx::TileConfig cfg = amx::tile_config();
   for (int c = 0; c < 4; ++c) {
     cfg.colsb[c] = 64;
     cfg.rows[c] = uint8_t(mt == 2 && c >= nbb ? rows1 : rows0);
@@ -47,8 +38,7 @@ void configure_tiles(int mt, int nbb, int rows0, int rows1) {
   cfg.rows[5] = uint8_t(mt == 2 ? rows1 : rows0);
   cfg.colsb[6] = cfg.colsb[7] = 64;
   cfg.rows[6] = cfg.rows[7] = 8;
-  asm volatile("" ::: "memory");  // GCC 12 under-declares _tile_loadconfig's input (gemm_amx.cpp)
-  _tile_loadconfig(&cfg);
+  amx::load_tile_config(cfg);
 }
 
 // Tile numbers are literal tokens of the intrinsics: C tile t = i * nbb + j.
