@@ -53,20 +53,6 @@ inline __m256 load_bf16x8(const uint16_t* p) {
 }
 
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Pass 2: scores[j] = exp(scores[j] - max) in place for j < n; returns Σ in a fixed order
 // (8 lane-wise partial sums over blocks from key 0, then one fixed horizontal tree).
 float exp_pass(float* scores, int64_t n, float max_s) {
@@ -86,7 +72,7 @@ float exp_pass(float* scores, int64_t n, float max_s) {
     for (int64_t t = 0; j + t < n; ++t) scores[j + t] = tmp[t];
     vsum = _mm256_add_ps(vsum, e);
   }
-  return hsum(vsum);
+  return avx2::hsum(vsum);
 }
 
 // 16 BF16 values -> even elements (lane l = element 2l) and odd elements (element 2l + 1).
@@ -426,7 +412,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   for (int64_t u = 0; u < np; ++u) {
     if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;
     const float max_s = attn_window_max(scores + u * sc_stride, kbeg, n_of(u), attn_key_lo(a, row_of(u)),
-                                        hmax(vmax[u]));
+                                        avx2::hmax(vmax[u]));
     sums[u * 8] = exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
     sums[u * 8 + 1] = max_s;
   }

@@ -64,20 +64,6 @@ struct Lanes16 {
 };
 #endif
 
-inline float q8_hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float q8_hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline __m128 q8_tree4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
@@ -137,7 +123,7 @@ inline float q8_exp_pass(float* scores, int64_t n, float max_s) {
     for (int64_t t = 0; t < 8 && j + t < n; ++t) scores[j + t] = tmp[t];
     vsum = _mm256_add_ps(vsum, e);
   }
-  return q8_hsum(vsum);
+  return avx2::hsum(vsum);
 }
 
 // acc[c] += Σ_j w[j] · V_j[c] over keys [j0, j1) in order; vb row (j - jb) holds key j.
@@ -203,7 +189,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     if (kv_index == 1)  // pass 2, between K and V
       for (int64_t u = 0; u < np; ++u) {
         if (n_of(u) <= kbeg) continue;
-        const float m = q8_hmax(_mm256_loadu_ps(stat + u * 8));
+        const float m = avx2::hmax(_mm256_loadu_ps(stat + u * 8));
         stat[u * 8] = q8_exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, m);
         stat[u * 8 + 1] = m;
       }

@@ -6,6 +6,22 @@
 namespace qspec {
 namespace avx2 {
 
+// Horizontal sum and max of 8 lanes in a fixed order: (lo128 + hi128), then lanes {2,3} onto
+// {0,1}, then lane 0 + lane 1.
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // e^x, 8 lanes. x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2, exact n * hi), e^r by
 // its degree-7 Taylor polynomial (relative error ~ 0.35^8/8! ~ 5e-9), then 2^n added to the
 // exponent field. x < -87 (result below FLT_MIN) gives 0, so no denormals and e^-inf = 0;
