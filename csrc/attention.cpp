@@ -358,10 +358,32 @@ AttnArgs probe_args(int64_t head_dim) {
   return a;
 }
 
+}  // namespace
+
+void kv_set_pages(KvCacheView& kv, const int32_t* pages, int64_t n_pages, int64_t page_size, int64_t positions) {
+  if (page_size <= 0 || page_size % 8 != 0 || kv.max_seq % page_size != 0)
+    throw std::invalid_argument("page_size must be a positive multiple of 8 that divides the pool's rows (" +
+                                std::to_string(kv.max_seq) + ")");
+  if (positions > n_pages * page_size)
+    throw std::invalid_argument("positions up to " + std::to_string(positions - 1) + " exceed the " +
+                                std::to_string(n_pages) + " pages of the page table");
+  const int64_t pool_pages = kv.max_seq / page_size, used = (positions + page_size - 1) / page_size;
+  for (int64_t i = 0; i < used; ++i)
+    if (pages[i] < 0 || pages[i] >= pool_pages)
+      throw std::invalid_argument("page table entry " + std::to_string(pages[i]) + " outside the pool's " +
+                                  std::to_string(pool_pages) + " pages");
+  kv.pages = pages;
+  kv.page_size = page_size;
+}
+
+namespace {
+
 py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
                                 std::optional<float> scale, std::optional<std::string> path,
                                 std::optional<std::pair<int64_t, py::object>> tree, int64_t window,
-                                std::optional<std::pair<py::array, py::array>> q8) {
+                                std::optional<std::pair<py::array, py::array>> q8,
+                                std::optional<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> pages,
+                                int64_t page_size) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -398,7 +420,9 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
     throw std::invalid_argument("attention: layer " + std::to_string(layer) + " out of range [0, " +
                                 std::to_string(a.kv.layers) + ")");
   if (start_pos < 0) throw std::invalid_argument("attention: start_pos must be >= 0");
-  if (start_pos + a.m > a.kv.max_seq)
+  if (pages)
+    kv_set_pages(a.kv, pages->data(), pages->size(), page_size, start_pos + a.m);
+  else if (start_pos + a.m > a.kv.max_seq)
     throw std::invalid_argument("attention: positions up to " + std::to_string(start_pos + a.m - 1) +
                                 " exceed max_seq " + std::to_string(a.kv.max_seq));
   a.scale = scale ? *scale : 1.f / std::sqrt(float(a.kv.head_dim));
@@ -451,12 +475,15 @@ void bind_attention(py::module_& m) {
   m.def("attention", &attention_py, py::arg("q"), py::arg("kv"), py::arg("layer"),
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
         py::arg("tree") = py::none(), py::arg("window") = 0, py::arg("q8") = py::none(),
+        py::arg("pages") = py::none(), py::arg("page_size") = 0,
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
         "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree); window > 0: sliding "
         "window, a row at position p attends keys p - window + 1 .. p; q8 = (int8 values, "
-        "E8M0 scales) of the INT8 draft copy (kv_q8_quantize): attend over it instead of kv's BF16 rows");
+        "E8M0 scales) of the INT8 draft copy (kv_q8_quantize): attend over it instead of kv's BF16 rows; "
+        "pages (int32) with page_size: a paged cache, position p in pool row pages[p / page_size] * "
+        "page_size + p % page_size");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

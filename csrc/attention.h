@@ -9,6 +9,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <climits>
 #include <vector>
 
 #include "cpu.h"
@@ -18,6 +19,7 @@ namespace qspec {
 
 struct KvCacheView {
   uint16_t* data = nullptr;
+  // layers, pool rows per layer and K/V (max_seq), kv_heads, head_dim
   int64_t layers = 0, max_seq = 0, kv_heads = 0, head_dim = 0;
   // The INT8 draft copy (csrc/kv_q8.h), or null: the same rows as int8 values
   // [layers][2][max_seq][kv_heads][head_dim] and one E8M0 scale per kQ8Block values
@@ -25,22 +27,40 @@ struct KvCacheView {
   // also writes its INT8 copy; only MX draft passes read it (AttnArgs::draft_q8).
   int8_t* q8 = nullptr;
   uint8_t* q8_scale = nullptr;
+  // Paged cache (qspec/kv_cache.py): the pool's rows are pages of page_size rows (a multiple of
+  // 8), and the sequence's position p sits in pool row pages[p / page_size] · page_size +
+  // p % page_size. Null: position p is pool row p (one contiguous sequence). Every accessor
+  // below takes a position; rows are contiguous only within a page (run_end).
+  const int32_t* pages = nullptr;
+  int64_t page_size = 0;
 
   int64_t row_elems() const { return kv_heads * head_dim; }  // one position of K or V
+  int64_t slot(int64_t pos) const {
+    return pages ? int64_t(pages[pos / page_size]) * page_size + pos % page_size : pos;
+  }
+  // End of the run of positions stored contiguously from pos on (its page's end).
+  int64_t run_end(int64_t pos) const {
+    return pages ? (pos / page_size + 1) * page_size : INT64_MAX;
+  }
   uint16_t* k(int64_t layer, int64_t pos) const {
-    return data + ((layer * 2 + 0) * max_seq + pos) * row_elems();
+    return data + ((layer * 2 + 0) * max_seq + slot(pos)) * row_elems();
   }
   uint16_t* v(int64_t layer, int64_t pos) const {
-    return data + ((layer * 2 + 1) * max_seq + pos) * row_elems();
+    return data + ((layer * 2 + 1) * max_seq + slot(pos)) * row_elems();
   }
   // kv_index 0 = K, 1 = V
   int8_t* q8_row(int64_t layer, int kv_index, int64_t pos) const {
-    return q8 + ((layer * 2 + kv_index) * max_seq + pos) * row_elems();
+    return q8 + ((layer * 2 + kv_index) * max_seq + slot(pos)) * row_elems();
   }
   uint8_t* q8_scales(int64_t layer, int kv_index, int64_t pos) const {
-    return q8_scale + ((layer * 2 + kv_index) * max_seq + pos) * (row_elems() / kQ8Block);
+    return q8_scale + ((layer * 2 + kv_index) * max_seq + slot(pos)) * (row_elems() / kQ8Block);
   }
 };
+
+// Points kv at a sequence's page table (KvCacheView::pages) after checking it: page_size a
+// positive multiple of 8 dividing kv.max_seq, positions 0..positions-1 covered by pages that lie
+// in the pool. Throws std::invalid_argument otherwise. The table must outlive the view's use.
+void kv_set_pages(KvCacheView& kv, const int32_t* pages, int64_t n_pages, int64_t page_size, int64_t positions);
 
 // A draft tree over the cache (docs/architecture.md, "Tree attention"). Cache rows [0, prefix)
 // are the committed linear prefix; every later slot holds one tree node. Query row i is the node
@@ -116,6 +136,14 @@ inline float attn_window_max(float* scores, int64_t kbeg, int64_t n, int64_t lo,
 // Cache row holding logical key j of query row i.
 inline int64_t attn_key_slot(const AttnArgs& a, int64_t i, int64_t j) {
   return (a.tree && j >= a.tree->prefix) ? a.tree->path[a.tree->off[i] + j - a.tree->prefix] : j;
+}
+// End of a fast path's block of keys from b0 (a multiple of 8): at most kb keys, not past n, and
+// within one contiguous run of the cache (a page), so that keys [b0, end) are rows
+// kv.k(layer, b0) + t · row_elems. Pages hold multiples of 8 rows: 8-key blocks never straddle.
+inline int64_t attn_block_end(const AttnArgs& a, int64_t b0, int64_t kb, int64_t n) {
+  int64_t e = b0 + kb < n ? b0 + kb : n;
+  const int64_t r = a.kv.run_end(b0);
+  return e < r ? e : r;
 }
 // First logical key that is not shared by all rows of the call, rounded down to a multiple of 8
 // (an 8-key block never mixes the shared stream with per-row keys); linear: no such key.

@@ -107,6 +107,17 @@ void rope(float* x, int64_t heads, int64_t hd, int64_t rd, const float* cos, con
   }
 }
 
+// One sequence's part of a batched forward: m rows at positions start_pos.. (or, with a tree,
+// draft-tree nodes at slots start_pos..: RoPE at prefix + depth, attention over prefix and path;
+// attention.h), writing and reading the cache through kv (its page table); logits of every row
+// or of the last; draft_q8: its attention reads the INT8 draft copy (kv.q8).
+struct SeqPass {
+  int64_t m = 0, start_pos = 0;
+  KvCacheView kv;
+  const AttnTree* tree = nullptr;
+  bool all_logits = false, draft_q8 = false;
+};
+
 class Model {
  public:
   Model(const py::dict& cfg, py::array_t<uint16_t, py::array::c_style> embed,
@@ -256,12 +267,11 @@ class Model {
   const Profile& profile() const { return prof_; }
   void profile_reset() { prof_ = Profile(); }
 
-  // tokens [m] at positions start_pos..; logits [m or 1, vocab]. With a tree (attention.h), row r
-  // is the node at slot start_pos + r: RoPE at its logical position prefix + depth, K/V into its
-  // slot, attention over its prefix and path.
-  // draft_q8: attention reads the cache's INT8 draft copy (kv.q8), which every pass writes when present.
-  void forward(const int32_t* tokens, int64_t m, int64_t start_pos, const KvCacheView& kv, int set,
-               bool all_logits, float* logits, const AttnTree* tree = nullptr, bool draft_q8 = false) {
+  // One forward over a ragged batch: the rows of seqs[0], then seqs[1], .. (tokens holds them in
+  // that order) run through every layer together, so each GEMM streams its weights once for all
+  // of them; each sequence's rows write and attend over its own cache rows (its view's pages).
+  // logits: per sequence, [m or 1, lm_head_rows] rows in sequence order.
+  void forward(const int32_t* tokens, const std::vector<SeqPass>& seqs, int set, float* logits) {
     const auto t_start = ProfClock::now();
     auto t = t_start;  // the last boundary between profile pieces
     auto lap = [&](double& piece) {
@@ -282,6 +292,15 @@ class Model {
       g.idle_thread += timing.region.idle_thread_s;
     };
     const WeightSet& ws = sets_[set];
+    // row r of the batch is row r - row0[s] of sequence s = row_seq[r]
+    int64_t m = 0;
+    row_seq_.clear();
+    std::vector<int64_t> row0(seqs.size());
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      row0[s] = m;
+      m += seqs[s].m;
+      row_seq_.insert(row_seq_.end(), seqs[s].m, int32_t(s));
+    }
     const int64_t qkv_n = (n_heads_ + 2 * n_kv_) * hd_, q_n = n_heads_ * hd_, kv_n = n_kv_ * hd_;
     h_.resize(m * d_);
     x_.resize(m * d_);
@@ -313,8 +332,12 @@ class Model {
           for (int64_t h = n_heads_; h < n_heads_ + n_kv_; ++h)
             rms_norm(row + h * hd_, k_norm_[l].data(), eps_, hd_, row + h * hd_);
         }
-        const int64_t pos = start_pos + r;  // the row's cache slot
-        const int64_t rpos = tree ? tree->prefix + (tree->off[r + 1] - tree->off[r] - 1) : pos;
+        const SeqPass& sp = seqs[row_seq_[r]];
+        const int64_t i = r - row0[row_seq_[r]];
+        const int64_t pos = sp.start_pos + i;  // the row's cache slot
+        const AttnTree* tree = sp.tree;
+        const int64_t rpos = tree ? tree->prefix + (tree->off[i + 1] - tree->off[i] - 1) : pos;
+        const KvCacheView& kv = sp.kv;
         if (layer_rope_[l] >= 0) {
           const float* c = &cos_[layer_rope_[l]][rpos * half];
           const float* s = &sin_[layer_rope_[l]][rpos * half];
@@ -332,25 +355,27 @@ class Model {
           kv_q8_quantize(vd, kv_n, kv.q8_row(l, 1, pos), kv.q8_scales(l, 1, pos));
         }
       });
-      AttnArgs a;
-      a.q = q_.data();
-      a.out = att_.data();
-      a.m = m;
-      a.start_pos = start_pos;
-      a.n_heads = n_heads_;
-      a.layer = l;
-      a.scale = attn_scale_;
-      a.window = layer_window_[l];
-      a.kv = kv;
-      a.tree = tree;
-      a.draft_q8 = draft_q8;
       lap(prof_.rowwise);
-      RegionTiming& attn_idle = attn_timing();
-      attn_idle = RegionTiming();
-      attention(a);
+      for (size_t s = 0; s < seqs.size(); ++s) {  // each sequence over its own rows
+        AttnArgs a;
+        a.q = q_.data() + row0[s] * q_n;
+        a.out = att_.data() + row0[s] * q_n;
+        a.m = seqs[s].m;
+        a.start_pos = seqs[s].start_pos;
+        a.n_heads = n_heads_;
+        a.layer = l;
+        a.scale = attn_scale_;
+        a.window = layer_window_[l];
+        a.kv = seqs[s].kv;
+        a.tree = seqs[s].tree;
+        a.draft_q8 = seqs[s].draft_q8;
+        RegionTiming& attn_idle = attn_timing();
+        attn_idle = RegionTiming();
+        attention(a);
+        prof_.attention_idle += attn_idle.idle_s;
+        prof_.attention_idle_thread += attn_idle.idle_thread_s;
+      }
       lap(prof_.attention);
-      prof_.attention_idle += attn_idle.idle_s;
-      prof_.attention_idle_thread += attn_idle.idle_thread_s;
       timed_gemm(kO, *L.wo, att_.data(), q_n, tmp_.data(), d_, m);
       if (parallel()) {
         reduce(tmp_.data(), m);
@@ -371,8 +396,10 @@ class Model {
       post_norm(post_mlp_norm_[l], m);
       for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
     }
-    const int64_t first = all_logits ? 0 : m - 1, rows = m - first;
-    for (int64_t r = first; r < m; ++r) rms_norm(&h_[r * d_], norm_.data(), eps_, d_, &x_[(r - first) * d_]);
+    int64_t rows = 0;  // the rows that get logits, packed into x_
+    for (size_t s = 0; s < seqs.size(); ++s)
+      for (int64_t r = seqs[s].all_logits ? row0[s] : row0[s] + seqs[s].m - 1; r < row0[s] + seqs[s].m; ++r)
+        rms_norm(&h_[r * d_], norm_.data(), eps_, d_, &x_[rows++ * d_]);
     timed_gemm(kLmHead, *ws.lm_head, x_.data(), d_, logits, lm_rows_, rows);
     prof_.total += seconds_between(t_start, t);
     prof_.calls += 1;
@@ -420,6 +447,7 @@ class Model {
   std::vector<float> cos_[kRopeTables], sin_[kRopeTables];
   int64_t rope_positions_ = 0;
   std::vector<float> h_, x_, qkv_, q_, att_, gu_, act_, tmp_;  // scratch, reused across calls
+  std::vector<int32_t> row_seq_;
   Profile prof_;
 };
 
@@ -503,60 +531,85 @@ void bind_model(py::module_& m) {
       .def("profile_reset", &Model::profile_reset)
       .def(
           "forward",
-          [](Model& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int64_t start_pos,
-             py::array_t<uint16_t, py::array::c_style> kv, int set, bool all_logits,
-             py::array_t<float, py::array::c_style> out, std::optional<std::pair<int64_t, py::object>> tree,
+          [](Model& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, py::list seqs,
+             py::array_t<uint16_t, py::array::c_style> kv, int set, py::array_t<float, py::array::c_style> out,
              std::optional<std::pair<py::array_t<int8_t, py::array::c_style>, py::array_t<uint8_t, py::array::c_style>>> kv_q8,
-             bool draft_q8) {
+             int64_t page_size) {
             Model::check_set(set);
             if (!self.has_set(set)) throw std::invalid_argument("weight set is not fully loaded");
-            const int64_t m = tokens.size();
-            if (m < 1) throw std::invalid_argument("forward needs at least one token");
             if (kv.ndim() != 5 || kv.shape(0) != self.n_layers() || kv.shape(1) != 2 ||
                 kv.shape(3) != self.n_kv() || kv.shape(4) != self.head_dim())
-              throw std::invalid_argument("kv must be uint16 [layers, 2, capacity, kv_heads, head_dim]");
-            if (start_pos < 0 || start_pos + m > kv.shape(2))
-              throw std::invalid_argument("positions exceed the KV cache capacity");
-            if (start_pos + m > self.rope_positions())
-              throw std::invalid_argument("positions exceed the RoPE table");
-            const int64_t rows = all_logits ? m : 1;
+              throw std::invalid_argument("kv must be uint16 [layers, 2, pool rows, kv_heads, head_dim]");
+            KvCacheView pool;
+            pool.data = kv.mutable_data();
+            pool.layers = kv.shape(0);
+            pool.max_seq = kv.shape(2);
+            pool.kv_heads = kv.shape(3);
+            pool.head_dim = kv.shape(4);
+            if (kv_q8) {  // the INT8 draft copy: [layers, 2, pool rows, kv_heads, head_dim (/ 32)]
+              auto& [qv, qs] = *kv_q8;
+              bool ok = qv.ndim() == 5 && qs.ndim() == 5 && self.head_dim() % kQ8Block == 0 &&
+                        qv.shape(4) == kv.shape(4) && qs.shape(4) == kv.shape(4) / kQ8Block;
+              for (int d = 0; ok && d < 4; ++d) ok = qv.shape(d) == kv.shape(d) && qs.shape(d) == kv.shape(d);
+              if (!ok) throw std::invalid_argument("kv_q8 must be (int8 [layers, 2, pool rows, kv_heads, head_dim], "
+                                                   "uint8 [.., head_dim / 32]) matching kv");
+              pool.q8 = qv.mutable_data();
+              pool.q8_scale = qs.mutable_data();
+            }
+            if (seqs.empty()) throw std::invalid_argument("forward needs at least one sequence");
+            // per sequence: (m, start_pos, pages or None, all_logits, tree or None, draft_q8)
+            std::vector<SeqPass> passes(seqs.size());
+            std::vector<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> tables(seqs.size());
+            std::vector<std::optional<AttnTreePaths>> paths(seqs.size());
+            int64_t m = 0, rows = 0;
+            for (size_t s = 0; s < seqs.size(); ++s) {
+              auto t = seqs[s].cast<py::tuple>();
+              if (t.size() != 6) throw std::invalid_argument("a sequence is (m, start_pos, pages, all_logits, tree, draft_q8)");
+              SeqPass& p = passes[s];
+              p.m = t[0].cast<int64_t>();
+              p.start_pos = t[1].cast<int64_t>();
+              p.all_logits = t[3].cast<bool>();
+              p.draft_q8 = t[5].cast<bool>();
+              if (p.m < 1) throw std::invalid_argument("forward needs at least one token per sequence");
+              if (p.start_pos < 0) throw std::invalid_argument("start_pos must be >= 0");
+              if (p.start_pos + p.m > self.rope_positions()) throw std::invalid_argument("positions exceed the RoPE table");
+              p.kv = pool;
+              if (!t[2].is_none()) {
+                tables[s] = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(t[2]);
+                if (!tables[s] || tables[s].ndim() != 1) throw std::invalid_argument("pages must be a 1-D int array");
+                kv_set_pages(p.kv, tables[s].data(), tables[s].size(), page_size, p.start_pos + p.m);
+              } else if (p.start_pos + p.m > pool.max_seq) {
+                throw std::invalid_argument("positions exceed the KV cache capacity");
+              }
+              if (p.draft_q8 && !pool.q8) throw std::invalid_argument("draft_q8 needs kv_q8");
+              if (!t[4].is_none()) {
+                auto tr = t[4].cast<std::pair<int64_t, py::object>>();
+                auto par = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tr.second);
+                if (!par || par.ndim() != 1) throw std::invalid_argument("tree parents must be a 1-D int array");
+                paths[s].emplace(tr.first, par.data(), par.shape(0), p.start_pos, p.m);
+                p.tree = &paths[s]->view;
+              }
+              m += p.m;
+              rows += p.all_logits ? p.m : 1;
+            }
+            if (tokens.size() != m) throw std::invalid_argument("tokens must hold every sequence's rows");
             if (out.ndim() != 2 || out.shape(0) < rows || out.shape(1) != self.lm_head_rows())
               throw std::invalid_argument("out must be float32 [rows, lm_head_rows]");
             const int32_t* t = tokens.data();
             for (int64_t i = 0; i < m; ++i)
               if (t[i] < 0 || t[i] >= self.vocab()) throw std::invalid_argument("token id outside the vocabulary");
-            KvCacheView view;
-            view.data = kv.mutable_data();
-            view.layers = kv.shape(0);
-            view.max_seq = kv.shape(2);
-            view.kv_heads = kv.shape(3);
-            view.head_dim = kv.shape(4);
-            if (kv_q8) {  // the INT8 draft copy: [layers, 2, capacity, kv_heads, head_dim (/ 32)]
-              auto& [qv, qs] = *kv_q8;
-              bool ok = qv.ndim() == 5 && qs.ndim() == 5 && self.head_dim() % kQ8Block == 0 &&
-                        qv.shape(4) == kv.shape(4) && qs.shape(4) == kv.shape(4) / kQ8Block;
-              for (int d = 0; ok && d < 4; ++d) ok = qv.shape(d) == kv.shape(d) && qs.shape(d) == kv.shape(d);
-              if (!ok) throw std::invalid_argument("kv_q8 must be (int8 [layers, 2, capacity, kv_heads, head_dim], "
-                                                   "uint8 [.., head_dim / 32]) matching kv");
-              view.q8 = qv.mutable_data();
-              view.q8_scale = qs.mutable_data();
-            }
-            if (draft_q8 && !view.q8) throw std::invalid_argument("draft_q8 needs kv_q8");
             float* o = out.mutable_data();
-            std::optional<AttnTreePaths> paths;
-            if (tree) {
-              auto par = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tree->second);
-              if (!par || par.ndim() != 1) throw std::invalid_argument("tree parents must be a 1-D int array");
-              paths.emplace(tree->first, par.data(), par.shape(0), start_pos, m);
-            }
             py::gil_scoped_release release;
-            self.forward(t, m, start_pos, view, set, all_logits, o, paths ? &paths->view : nullptr, draft_q8);
+            self.forward(t, passes, set, o);
           },
-          py::arg("tokens"), py::arg("start_pos"), py::arg("kv"), py::arg("set"), py::arg("all_logits"),
-          py::arg("out"), py::arg("tree") = py::none(), py::arg("kv_q8") = py::none(), py::arg("draft_q8") = false,
-          "tree = (prefix, parents): row r is the draft-tree node at slot start_pos + r (attention.h); "
-          "kv_q8 = the cache's INT8 draft copy (values, scales), written with every row; draft_q8: "
-          "attention reads it instead of the BF16 rows");
+          py::arg("tokens"), py::arg("seqs"), py::arg("kv"), py::arg("set"), py::arg("out"),
+          py::arg("kv_q8") = py::none(), py::arg("page_size") = 0,
+          "One forward of weight set `set` over a ragged batch. tokens: every sequence's rows, in order; "
+          "seqs: per sequence (m, start_pos, pages, all_logits, tree, draft_q8) with pages an int32 page "
+          "table of the pool kv (page_size rows a page; None: positions are pool rows), tree = (prefix, "
+          "parents): its rows are draft-tree nodes at slots start_pos.. (attention.h), draft_q8: its "
+          "attention reads the INT8 draft copy kv_q8 = (values, scales), which is written with every row. "
+          "out: the logits, per sequence m rows (all_logits) or its last, in order");
   m.def("silu_mul", [](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
                        const std::string& path) {
     if (gate.ndim() != 1 || up.ndim() != 1 || gate.size() != up.size())

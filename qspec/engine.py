@@ -13,8 +13,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .draft import DRAFT_FORMATS, DraftSpec, load_draft_file
-from .errors import ContextSizeError, PromptTooLongError
-from .kv_cache import KVCache
+from .batch import Batcher, SeqBackend
+from .errors import ContextMemoryError, ContextSizeError, PromptTooLongError
+from .kv_cache import KVCache, Preempted
 from .loader import load_weights
 from .memory import cache_bytes, check_fits
 from .sampling import SamplingParams, argmax, sample, warp
@@ -42,6 +43,7 @@ Prompt = Union[str, list[int], list[dict[str, str]]]
 # README "Draft trees") the chain was faster than every tree setting, "auto" included (1.95x vs
 # 1.76x): the self-draft's top-1 agrees so often that side branches add rows, not accepted tokens.
 DEFAULT_TREE = "off"
+MAX_SEQS = 16  # concurrent generations batched together (Engine.batcher)
 
 class Backend(Protocol):
     """What the decoding loops need from a forward implementation (torch or native).
@@ -70,9 +72,11 @@ class Engine:
     """A loaded model. Create with `qspec.load()`."""
 
     def __init__(self, model_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer, backend: Backend,
-                 eos_ids: set[int], levels: list | None = None, ctx_size: int | None = None):
+                 eos_ids: set[int], levels: list | None = None, ctx_size: int | None = None,
+                 max_seqs: int = MAX_SEQS):
         """`levels`: the drafting levels 1, 2, ... (qspec/levels.py); default: the backend's draft.
-        `ctx_size`: prompt + new tokens per generation (default: the model's context)."""
+        `ctx_size`: prompt + new tokens per generation (default: the model's context).
+        `max_seqs`: generations run together at most (more wait for a slot)."""
         self.model_dir = model_dir
         self.cfg = cfg
         self.ctx_size = cfg.max_seq_len if ctx_size is None else check_ctx_size(ctx_size, cfg)
@@ -83,6 +87,10 @@ class Engine:
             levels = [MXLevel(backend, 1, backend.draft.fmt)] if getattr(backend, "draft", None) else []
         self.levels = levels
         self._cost_models: dict[tuple, CostModel] = {}
+        # concurrent generations batch their forwards (qspec/batch.py); a helper level keeps one
+        # cache of its own and tensor parallelism mirrors one sequence: those run one at a time
+        serial = any(is_helper(lv.name) for lv in levels) or getattr(backend, "comm", None) is not None
+        self.batcher = Batcher(backend, max_seqs=1 if serial else max_seqs)
         self._tree_costs: dict[tuple, TreeCost] = {}
 
     # ---------------------------------------------------------------- public API
@@ -224,22 +232,51 @@ class Engine:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds {what} "
                 f"of {self.ctx_size} tokens")
-        first = self._prefill(ids, len(ids) + max_new_tokens, stats)
+        emitted: list[int] = []  # kept across preemptions: a restart continues after them
+        while True:
+            seq = self.batcher.open(len(ids) + len(emitted))
+            be = SeqBackend(self.batcher, seq)
+            try:
+                for t in self._run(be, seq, ids + emitted, max_new_tokens - len(emitted), params, stats,
+                                   speculative, chain, per_level, dp, tp):
+                    emitted.append(t)
+                    self.batcher.pause(seq)
+                    try:
+                        yield t
+                    finally:
+                        self.batcher.resume(seq)
+                return
+            except Preempted:
+                if not self.batcher.others(seq):
+                    raise ContextMemoryError(
+                        f"prompt ({len(ids)} tokens) + {len(emitted)} new tokens do not fit in the KV cache's "
+                        f"budget of {self.batcher.pool.max_pages * self.batcher.pool.page_size} tokens") from None
+                stats["preemptions"] = stats.get("preemptions", 0) + 1
+            finally:
+                self.batcher.close(seq)
+
+    def _run(self, be: SeqBackend, seq, ids: list[int], max_new_tokens: int, params: SamplingParams,
+             stats: dict, speculative: bool, chain: list, per_level: list, dp: DraftParams,
+             tp: TreeParams) -> Iterator[int]:
+        """One sequence's generation: prefill `ids`, then decode (speculative or plain)."""
+        first = self._prefill(be, seq, ids, len(ids) + max_new_tokens, stats)
         if speculative and chain and max_new_tokens > 1:
             names = tuple(lv.name for lv in chain)
+            batch = 1 << (self.batcher.others(seq)).bit_length()  # 1, 2, 4, 8, ..: K is chosen per batch size
             ks: list[int | None] = [None]
             costs: list[CostModel | None] = [None]
             for i, k in enumerate(per_level, start=1):
                 k_min = dp.draft_min if i == 1 else 1
                 ks.append(dp.k_cap if i == 1 else (DRAFT_MAX_LIMIT if k == "auto" else k))
-                costs.append(self._cost_model(i, names, ks[-1], k_min, params.greedy) if k == "auto" else None)
-            run = Chain([MXLevel(self.backend, 0, "target")] + chain, ks, costs, params, dp,
-                        self._tree(tp, chain, names, params.greedy, per_level[0]))
-            yield from run.tokens(self.backend, first, max_new_tokens, self.eos_ids, list(ids), stats)
+                costs.append(self._cost_model(i, names, ks[-1], k_min, params.greedy, batch) if k == "auto" else None)
+            levels = [lv.bind(be) if isinstance(lv, MXLevel) else lv for lv in chain]
+            run = Chain([MXLevel(be, 0, "target")] + levels, ks, costs, params, dp,
+                        self._tree(tp, chain, names, params.greedy, per_level[0], batch))
+            yield from run.tokens(be, first, max_new_tokens, self.eos_ids, list(ids), stats)
         else:
-            yield from self._plain(first, max_new_tokens, params, stats)
+            yield from self._plain(be, first, max_new_tokens, params, stats)
 
-    def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool, k):
+    def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool, k, batch: int = 1):
         """(TreeParams, TreeCost or None) for Chain, or None for today's chain (also for "auto" over
         a chain of several levels: the tree is drafted by level 1 alone). A fixed draft_max
         K is the tree's depth unless tree_depth is given (capped by tree_nodes - 1)."""
@@ -254,15 +291,18 @@ class Engine:
             return None
         if not greedy:  # seeded sampling stays reproducible: no timing-based choice (auto = the chain)
             return (tp, None) if tp.mode == "on" else None
-        key = ("tree", tp, names)
+        key = ("tree", tp, names, batch)
         if key not in self._tree_costs:
             self._tree_costs[key] = TreeCost(tp, chain_ok=True)
         return tp, self._tree_costs[key]
 
-    def _cost_model(self, level: int, chain: tuple[str, ...], k_cap: int, k_min: int, greedy: bool) -> CostModel:
-        """draft_max="auto": one cost model per level and chain setting for the engine's life, so
-        that what one generation measured (step costs, acceptance) serves the next."""
-        key = (k_cap, k_min, greedy, level, chain)
+    def _cost_model(self, level: int, chain: tuple[str, ...], k_cap: int, k_min: int, greedy: bool,
+                    batch: int = 1) -> CostModel:
+        """draft_max="auto": one cost model per level, chain setting and batch size class (1, 2,
+        4, .. sequences running: a verify row costs more when the batch already fills the GEMMs)
+        for the engine's life, so that what one generation measured (step costs, acceptance)
+        serves the next."""
+        key = (k_cap, k_min, greedy, level, chain, batch)
         if key not in self._cost_models:
             below = self.levels[level - 2].bytes if level > 1 else MXLevel(self.backend, 0, "target").bytes
             # level 1 is the draft the user chose (draft=None turns it off); the levels added above
@@ -279,28 +319,31 @@ class Engine:
         return describe(self.cfg, self.ctx_size if tokens is None else tokens,
                         getattr(self.backend.kv, "q8", None) is not None)
 
-    def _prefill(self, ids: list[int], capacity: int, stats: dict[str, float]) -> np.ndarray:
-        """Fill the cache with the prompt's rows; the logits of its last position.
+    def _prefill(self, be: SeqBackend, seq, ids: list[int], capacity: int, stats: dict[str, float]) -> np.ndarray:
+        """Fill the sequence's cache with the prompt's rows; the logits of its last position.
 
-        Rows the cache already holds for a leading part of `ids` (recorded by the target passes
-        that wrote them, with the same kernels) are kept: only the rest is run, and at least the
+        Rows the pool's prefix cache holds for a leading part of `ids` (target rows of the same
+        ids, same kernels; qspec/kv_cache.py) are adopted: only the rest is run, and at least the
         last token, for its logits. Every op is batch-invariant, so this is bit-identical to a
-        full prefill."""
-        kv = self.backend.kv
-        reused = min(kv.reusable(ids, getattr(self.backend, "kernel_path", None)), len(ids) - 1)
-        kv.length = reused
-        kv.ensure_capacity(capacity)
+        full prefill. With other sequences running, the prompt goes in chunks of about one
+        step's rows (Batcher.prefill_chunk), so their streams keep going."""
+        kv = be.kv
         t0 = time.perf_counter()
-        logits = self.backend.forward(ids[reused:], reused)[-1]
-        kv.length = len(ids)
+        reused = kv.adopt(ids, getattr(self.backend, "kernel_path", None))
+        pos = reused
+        while pos < len(ids):
+            chunk = self.batcher.prefill_chunk(seq)
+            end = len(ids) if chunk is None else min(len(ids), pos + chunk)
+            logits = be.forward(ids[pos:end], pos, prefill=True)[-1]
+            kv.length = pos = end
         stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0, cached_prompt_tokens=reused,
                      kv_bytes=kv.bytes_per_position * capacity)
         return logits
 
-    def _plain(self, logits: np.ndarray, max_new: int, params: SamplingParams,
+    def _plain(self, be: SeqBackend, logits: np.ndarray, max_new: int, params: SamplingParams,
                stats: dict[str, float]) -> Iterator[int]:
         """Plain autoregressive decoding after the prefill: one target forward per token."""
-        kv = self.backend.kv
+        kv = be.kv
         gen = None if params.greedy else params.generator()
         n, t_start = 0, time.perf_counter()
         try:
@@ -310,7 +353,7 @@ class Engine:
                 yield tok
                 if tok in self.eos_ids or n == max_new:
                     break
-                logits = self.backend.forward([tok], kv.length)[-1]
+                logits = be.forward([tok], kv.length)[-1]
                 kv.length += 1
         finally:  # also when the caller closes the generator early: stats of what was emitted
             decode_s = time.perf_counter() - t_start
@@ -453,7 +496,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
 
     def make_engine(plan: _Plan, be: Backend) -> Engine:
         if ctx_size is not None:
-            be.kv.ensure_capacity(ctx_size)
+            be.pool.reserve(ctx_size)
         return _engine(plan, be, backend, cache, ctx_size)
 
     if world > 1:

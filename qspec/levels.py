@@ -52,6 +52,10 @@ class MXLevel:
         self.backend, self.weight_set, self.name = backend, weight_set, name
         self.bytes = backend.set_bytes[weight_set] if hasattr(backend, "set_bytes") else backend.target_bytes
 
+    def bind(self, backend) -> "MXLevel":
+        """This level over another view of the same model: a sequence's (qspec/batch.py)."""
+        return MXLevel(backend, self.weight_set, self.name)
+
     def score(self, tokens: Sequence[int], pos: int, context: Sequence[int] = (), tree=None) -> np.ndarray:
         """Logits of every row of `tokens` run at positions pos.. (writing their K/V rows); the
         rows before pos are the shared cache's (`context`, the tokens they hold, is not needed).

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .batch import Pass
+from .kv_cache import KVCache, KVPool
 from .loader import LayerWeights, ModelWeights
 from .rope import rope_tables
 
@@ -77,9 +78,10 @@ class TorchModel:
         """tokens [M] at positions start_pos.. -> logits [M, V] fp32; writes K/V rows (float32 cache).
         `tree` = (prefix, parents): the rows are tree slots (tree_mask), not consecutive positions."""
         cfg, f32 = self.cfg, torch.float32
-        cache = torch.from_numpy(kv.data)  # shares the array: writes land in the cache
+        cache = torch.from_numpy(kv.data)  # shares the pool's array: writes land in the cache
         M, H, KVH, hd = tokens.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         end = start_pos + M
+        rows = torch.from_numpy(kv.rows(0, end))  # the pool rows of positions 0..end-1
         if tree is None:
             # causal mask over the cache rows 0..end-1 for query rows at start_pos..end-1
             mask = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]  # [M, end]
@@ -104,10 +106,10 @@ class TorchModel:
             seen = mask
             if cfg.window_of(i):  # sliding window: logical key positions > pos - window
                 seen = mask & (key_pos[None, :] > pos[:, None] - cfg.window_of(i))
-            cache[i, 0, start_pos:end] = k
-            cache[i, 1, start_pos:end] = v
-            keys = cache[i, 0, :end].repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, end, hd]
-            vals = cache[i, 1, :end].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+            cache[i, 0, rows[start_pos:]] = k
+            cache[i, 1, rows[start_pos:]] = v
+            keys = cache[i, 0, rows].repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, end, hd]
+            vals = cache[i, 1, rows].repeat_interleave(H // KVH, dim=1).transpose(0, 1)
             if cfg.query_scale is None:
                 att = (q.transpose(0, 1) @ keys.transpose(1, 2)) / hd ** 0.5  # [H, M, end]
             else:
@@ -126,18 +128,35 @@ class TorchModel:
 
 
 class TorchBackend:
-    """Engine backend on the torch reference model (FP32 KV cache: an oracle, not a fast path)."""
+    """Engine backend on the torch reference model (FP32 KV cache: an oracle, not a fast path).
+    Concurrent sequences (qspec/batch.py) run one after the other within a step: torch's GEMMs are
+    not batch-invariant, so rows are never batched across sequences here."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights):
         self.cfg = cfg
         self.model = TorchModel(cfg, weights)
-        self.kv = KVCache(cfg, 0, dtype=np.float32)
+        self.pool = KVPool(cfg, dtype=np.float32)
+        self.kv = KVCache(self.pool)
 
     def forward(self, tokens, start_pos: int, *, all_logits: bool = False, tree=None) -> np.ndarray:
         """`tree` = (prefix, parents): a tree pass (TorchModel.tree_mask, docs: tree-contract)."""
+        p = self.prepare(self.kv, tokens, start_pos, all_logits=all_logits, tree=tree)
+        with self.pool.lock:
+            return self.run([p], 0)[0]
+
+    def prepare(self, kv: KVCache, tokens, start_pos: int, *, all_logits: bool = False, draft=False,
+                tree=None) -> Pass:
+        if draft:
+            raise ValueError("the torch backend has no draft")
+        kv.ensure_capacity(start_pos + len(tokens))
         # nothing recorded for reuse: torch's GEMMs are not batch-invariant (a row computed in a
         # prefill of M rows need not match the same row computed alone), so every prompt is prefilled
-        self.kv.writing(start_pos)
-        logits = self.model.forward(torch.as_tensor(list(tokens), dtype=torch.long), start_pos, self.kv,
-                                    tree)
-        return (logits if all_logits else logits[-1:]).numpy()
+        kv.writing(start_pos, start_pos + len(tokens))
+        return Pass(kv, np.asarray(tokens, dtype=np.int64).reshape(-1), int(start_pos), all_logits, tree)
+
+    def run(self, passes, weight_set: int) -> list[np.ndarray]:
+        out = []
+        for p in passes:
+            logits = self.model.forward(torch.as_tensor(p.tokens, dtype=torch.long), p.start_pos, p.kv, p.tree)
+            out.append((logits if p.all_logits else logits[-1:]).numpy())
+        return out

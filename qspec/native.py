@@ -16,7 +16,8 @@ from . import _C
 from .config import ModelConfig
 from .draft import DraftSpec, _read_header, pack_mx_matrix
 from .errors import DraftFileError, ModelLoadError
-from .kv_cache import KVCache
+from .batch import Pass
+from .kv_cache import KVCache, KVPool
 from .loader import ModelWeights, _weight_files, layer_norm_names
 from .parallel.shard import Shard
 from .rope import rope_tables
@@ -239,7 +240,9 @@ class NativeBackend:
         self.shard = shard = shard or Shard.plan(cfg)
         local = shard.local_config(cfg)
         self.draft_kv = draft_kv
-        self.kv = KVCache(local, 0, draft_copy=has_draft_copy(cfg, draft_kv, draft))  # this rank's KV heads
+        # this rank's KV heads: the pool of every sequence, and the one direct forward() calls use
+        self.pool = KVPool(local, draft_copy=has_draft_copy(cfg, draft_kv, draft))
+        self.kv = KVCache(self.pool)
         self.load_info: dict = {}
         if target_packed is None:
             target_packed = dict(pack_target(weights, shard))
@@ -311,29 +314,56 @@ class NativeBackend:
 
     def forward(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False,
                 draft: bool | int = False, tree: tuple[int, Sequence[int]] | None = None) -> np.ndarray:
-        """`draft`: the weight set to run: False/0 the target, True/1 the draft, 2.. an upper draft.
+        """Run `tokens` at positions start_pos.. of the backend's own sequence (`kv`); logits
+        [m or 1, vocab rows], an array of the caller's. `draft`: the weight set to run: False/0
+        the target, True/1 the draft, 2.. an upper draft.
 
         `tree = (prefix, parents)`: the rows are draft-tree nodes at slots start_pos.. (see
         check_tree and docs/architecture.md, "Tree attention"); each node's row is bit-identical
-        to a one-row linear step over its path. Tree rows are not recorded for prefix reuse."""
+        to a one-row linear step over its path. Tree rows are not recorded for prefix reuse.
+        Concurrent generations go through qspec/batch.py instead, which calls prepare and run."""
+        p = self.prepare(self.kv, tokens, start_pos, all_logits=all_logits, draft=draft, tree=tree)
+        with self.pool.lock:
+            return self.run([p], int(draft))[0]
+
+    def prepare(self, kv: KVCache, tokens: Sequence[int], start_pos: int, *, all_logits: bool = False,
+                draft: bool | int = False, tree=None) -> Pass:
+        """One sequence's rows for `run`: checks them, adds the pages they need and makes them
+        writable (kv.writing)."""
         m = len(tokens)
+        if m < 1:
+            raise ValueError("forward needs at least one token")
         if tree is not None:
             tree = (tree[0], check_tree(tree, start_pos, m))
-        rows = m if all_logits else 1
-        if self._logits.shape[0] < rows:
-            self._logits = np.empty((rows, self.shard.vocab_rows), dtype=np.float32)
-        self._ensure_rope(start_pos + m)
-        out = self._logits[:rows]
+        kv.ensure_capacity(start_pos + m)
         # every op is batch-invariant (docs/architecture.md): a target row's bits depend only on the
         # ids up to it, so they are recorded for reuse; draft rows are provisional MX rows, tree
         # rows sit at slots, not at their positions (KVCache.move_rows records accepted ones)
-        self.kv.writing(start_pos, None if draft or tree is not None else tokens, self.kernel_path)
-        self.model.forward(np.asarray(tokens, dtype=np.int32), start_pos, self.kv.data,
-                           int(draft), all_logits, out, tree, self.kv.q8, self.reads_draft_copy(draft, start_pos))
-        return out.copy()  # the buffer is reused by the next call
+        kv.writing(start_pos, start_pos + m, None if draft or tree is not None else tokens, self.kernel_path)
+        return Pass(kv, np.asarray(tokens, dtype=np.int32).reshape(-1), int(start_pos), all_logits, tree,
+                    self.reads_draft_copy(draft, start_pos))
+
+    def run(self, passes: Sequence[Pass], weight_set: int) -> list[np.ndarray]:
+        """One native forward of `weight_set` over the passes' rows (the caller holds the pool
+        lock); each pass's logits [m or 1, vocab rows], arrays of the caller's."""
+        rows = sum(len(p.tokens) if p.all_logits else 1 for p in passes)
+        if self._logits.shape[0] < rows:
+            self._logits = np.empty((rows, self.shard.vocab_rows), dtype=np.float32)
+        self._ensure_rope(max(p.start_pos + len(p.tokens) for p in passes))
+        out = self._logits[:rows]
+        tokens = passes[0].tokens if len(passes) == 1 else np.concatenate([p.tokens for p in passes])
+        self.model.forward(tokens, [(len(p.tokens), p.start_pos, p.kv.page_table, p.all_logits, p.tree, p.draft_q8)
+                                    for p in passes], self.pool.data, int(weight_set), out, self.pool.q8,
+                           self.pool.page_size)
+        res, r = [], 0
+        for p in passes:
+            n = len(p.tokens) if p.all_logits else 1
+            res.append(out[r:r + n].copy())  # the buffer is reused by the next call
+            r += n
+        return res
 
     def reads_draft_copy(self, draft: bool | int, start_pos: int) -> bool:
         """Whether a pass of weight set `draft` from `start_pos` attends over the INT8 draft copy."""
-        if not draft or self.kv.q8 is None or self.draft_kv == "bf16":
+        if not draft or self.pool.q8 is None or self.draft_kv == "bf16":
             return False
         return self.draft_kv == "int8" or start_pos >= DRAFT_KV_AUTO_MIN

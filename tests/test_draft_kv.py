@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import qspec
+from running import running
 from qspec import _C
 from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
 
@@ -164,8 +165,9 @@ def model_dir(tmp_path_factory):
 
 
 def copy_matches(kv, n):
-    q, e = _C.kv_q8_quantize(np.ascontiguousarray(kv.data[:, :, :n]))
-    return np.array_equal(q, kv.q8[0][:, :, :n]) and np.array_equal(e, kv.q8[1][:, :, :n])
+    rows = kv.rows(0, n)  # the pool rows of the sequence's positions 0..n-1
+    q, e = _C.kv_q8_quantize(np.ascontiguousarray(kv.data[:, :, rows]))
+    return np.array_equal(q, kv.q8[0][:, :, rows]) and np.array_equal(e, kv.q8[1][:, :, rows])
 
 
 def test_memory_figure(model_dir):
@@ -204,16 +206,16 @@ def test_greedy_speculative_equals_plain_at_every_context(model_dir, isa):
             ids = rng.integers(0, 64, n_ctx).tolist()
             want = eng.generate(ids, max_new_tokens=24, speculative=False).tokens
             for kw in (dict(draft_max=4), dict(draft_max="auto"), dict(tree="on")):
-                got = eng.generate(ids, max_new_tokens=24, **kw)
-                assert got.tokens == want, (n_ctx, kw)
-                assert got.stats["drafted"] > 0
-                kv = eng.backend.kv
-                assert copy_matches(kv, kv.length), (n_ctx, kw)  # verify, rejection and move_rows kept it
+                with running(eng, ids, max_new_tokens=24, **kw) as (got, kv, stats):
+                    assert copy_matches(kv, kv.length), (n_ctx, kw)  # verify, rejection and move_rows kept it
+                assert got == want, (n_ctx, kw)
+                assert stats["drafted"] > 0
             # prefix reuse: the next turn's rows (and their copy) equal a full prefill's
             more = ids + want + rng.integers(0, 64, 10).tolist()
-            r = eng.generate(more, max_new_tokens=8)
-            assert r.stats["cached_prompt_tokens"] > 0 and copy_matches(eng.backend.kv, eng.backend.kv.length)
-            assert r.tokens == eng.generate(more, max_new_tokens=8, speculative=False).tokens
+            with running(eng, more, max_new_tokens=8) as (got, kv, stats):
+                assert copy_matches(kv, kv.length)
+            assert stats["cached_prompt_tokens"] > 0
+            assert got == eng.generate(more, max_new_tokens=8, speculative=False).tokens
     finally:
         _C.set_isa_limit(_C.isa_detected())
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import qspec
+from running import running
 from qspec import _C
 from qspec.bench.common import dev_prompts
 from qspec.levels import MAX_LEVELS, NgramLevel, check_formats, parse_chain
@@ -101,12 +102,11 @@ def test_mx_chains_are_lossless(chain_engine):
 def test_chain_levels_draft_and_share_the_cache(chain_engine):
     eng = chain_engine
     ids = eng.encode_prompt(repetitive_prompts()[0])
-    r = eng.generate(ids, max_new_tokens=48, draft_max=[6, 3, 8])
-    s = r.stats
+    with running(eng, ids, max_new_tokens=48, draft_max=[6, 3, 8]) as (tokens, kv, s):
+        # one cache: committed = prompt + every emitted token but the last
+        assert kv.length == len(ids) + len(tokens) - 1
     assert s["level2_drafted"] > 0 and 0 < s["level2_accepted"] <= s["level2_drafted"]
     assert s["drafted"] == s["level1_drafted"] and s["accepted"] == s["level1_accepted"]
-    # one cache: committed = prompt + every emitted token but the last
-    assert eng.backend.kv.length == len(ids) + len(r.tokens) - 1
     assert eng.chain == ["mxfp6_e2m3", "mxfp4", "ngram"]
     be = eng.backend
     assert be.upper_drafts[0].fmt == "mxfp4" and be.set_bytes[2] < be.set_bytes[1] < be.set_bytes[0]

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import qspec
+from qspec.kv_cache import KVCache
+from running import running
 from qspec import _C
 from qspec.bench.common import dev_prompts as load_prompts
 from qspec.draft import DRAFT_FORMATS
@@ -88,13 +90,10 @@ def test_lossless_with_p_min_and_lm_head_draft(default_model_dir):
 def test_one_shared_kv_cache(default_model_dir):
     eng = engine_for(default_model_dir, "mxfp4")
     be = eng.backend
-    kv_id = id(be.kv)
     ids = eng.encode_prompt("Why is the sky blue?")
-    r = eng.generate(ids, max_new_tokens=40, draft_max=4)
-    assert id(be.kv) == kv_id
-    # committed = prompt + every emitted token but the last (which was never fed back)
-    assert be.kv.length == len(ids) + len(r.tokens) - 1
-    s = r.stats
+    with running(eng, ids, max_new_tokens=40, draft_max=4) as (tokens, kv, s):
+        # target and draft wrote one cache: committed = prompt + every emitted token but the last
+        assert kv.length == len(ids) + len(tokens) - 1 and kv.pool is be.pool
     assert 0 < s["accepted"] <= s["drafted"] and s["tokens_per_step"] >= 1
     assert math.isclose(s["acceptance_rate"], s["accepted"] / s["drafted"])
     # the draft adds only its packed MX weights (LM head shared): ~4.25/16 of the GEMM bytes
@@ -317,13 +316,13 @@ def test_prefix_reuse_is_bit_identical(default_model_dir, speculative):
     turn2 = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And of Spain?"}]
     ids1, ids2 = eng.encode_messages(turn1), eng.encode_messages(turn2)
     assert ids2[:len(ids1) + len(r1.tokens)] == ids1 + r1.tokens  # the template allows full reuse
-    r2 = eng.generate(turn2, **kw)
-    assert r2.stats["cached_prompt_tokens"] >= len(ids1) + len(r1.tokens) - 1
-    kv_reused = eng.backend.kv.data[:, :, :len(ids2)].copy()
-    ref = full_prefill(eng, turn2, **kw)
-    assert r2.tokens == ref.tokens
-    if not speculative:  # rows after the prompt differ by the drafts' provisional rows
-        assert np.array_equal(kv_reused, eng.backend.kv.data[:, :, :len(ids2)])
+    with running(eng, turn2, **kw) as (r2_tokens, kv, r2_stats):
+        kv_reused = kv.data[:, :, kv.rows(0, len(ids2))].copy()
+    assert r2_stats["cached_prompt_tokens"] >= len(ids1) + len(r1.tokens) - 1
+    eng.backend.kv.forget()
+    with running(eng, turn2, **kw) as (ref_tokens, kv, ref_stats):
+        assert np.array_equal(kv_reused, kv.data[:, :, kv.rows(0, len(ids2))])
+    assert ref_stats["cached_prompt_tokens"] == 0 and r2_tokens == ref_tokens
 
     ids = eng.encode_prompt(p) + first.tokens[:5]  # held: the prompt and the answer's first rows
     eng.generate(p, **kw)
@@ -337,10 +336,17 @@ def test_prefix_reuse_needs_target_rows_of_the_same_kernels(default_model_dir):
     (not batch-invariant) records nothing."""
     eng = engine_for(default_model_dir, "mxfp4")
     p = dev_prompts()[5]
-    eng.generate(p, max_new_tokens=4)
-    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] > 0
-    eng.backend.forward([1, 2], 3, draft=True)  # provisional rows from position 3 on
-    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 3
+    want = eng.generate(p, max_new_tokens=4)
+    ids = eng.encode_prompt(p)
+    assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == len(ids) - 1
+    # a sequence that adopts the prompt's pages and writes draft rows from position 3 on gets
+    # copies of them: the indexed pages keep their target rows
+    kv = KVCache(eng.backend.pool)
+    assert kv.adopt(ids, eng.backend.kernel_path) == len(ids) - 1
+    eng.backend.prepare(kv, [1, 2], 3, draft=True)
+    again = eng.generate(p, max_new_tokens=4)
+    assert again.stats["cached_prompt_tokens"] == len(ids) - 1 and again.tokens == want.tokens
+    kv.release()
     eng.backend.kv.forget()
     assert eng.generate(p, max_new_tokens=4).stats["cached_prompt_tokens"] == 0
     if len(ISA_LEVELS) > 1:

@@ -213,33 +213,35 @@ inline void dot4_tile(const float* const* qp, const uint16_t* kb, int64_t stride
   for (int r = 0; r < R; ++r) res[r] = tree4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-// Pass 1 for a tile over keys [b0, e), e <= n (b0 a multiple of 8).
+// Pass 1 for a tile over keys [b0, e), e <= n (b0 a multiple of 8); kb = key b0's row, the
+// block's keys contiguous after it.
 template <int R, int HD>
-void scores_tile(const float* const* qp, const uint16_t* k0, int64_t stride, int64_t hd,
+void scores_tile(const float* const* qp, const uint16_t* kb, int64_t stride, int64_t hd,
                  int64_t b0, int64_t e, __m256 vscale, float* const* sc, __m256* vmax) {
   int64_t j0 = b0;
   for (; j0 + 8 <= e; j0 += 8) {
     __m128 lo[R], hi[R];
-    dot4_tile<R, HD>(qp, k0 + j0 * stride, stride, hd, lo);
-    dot4_tile<R, HD>(qp, k0 + (j0 + 4) * stride, stride, hd, hi);
+    dot4_tile<R, HD>(qp, kb + (j0 - b0) * stride, stride, hd, lo);
+    dot4_tile<R, HD>(qp, kb + (j0 + 4 - b0) * stride, stride, hd, hi);
     for (int r = 0; r < R; ++r)
       emit_scores(_mm256_set_m128(hi[r], lo[r]), vscale, 8, sc[r] + j0, vmax[r]);
   }
   if (j0 < e)  // the pairs' last, partial block (then e == n)
     for (int r = 0; r < R; ++r)
-      emit_scores(dot8_partial(qp[r], k0 + j0 * stride, stride, hd, int(e - j0)), vscale,
+      emit_scores(dot8_partial(qp[r], kb + (j0 - b0) * stride, stride, hd, int(e - j0)), vscale,
                   int(e - j0), sc[r] + j0, vmax[r]);
 }
 
-// V for a tile: NCH chunks of 16 columns (even/odd) from column d0, keys [b0, e) in order.
+// V for a tile: NCH chunks of 16 columns (even/odd) from column d0, keys [b0, e) in order
+// (vb = key b0's row, the block's keys contiguous after it).
 template <int R, int NCH>
-inline void v_tile(const float* const* w, const uint16_t* v0, int64_t stride, int64_t b0,
+inline void v_tile(const float* const* w, const uint16_t* vb, int64_t stride, int64_t b0,
                    int64_t e, float* const* accp, int64_t d0) {
   __m256 acc[R][2 * NCH];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 2 * NCH; ++c) acc[r][c] = _mm256_load_ps(accp[r] + d0 + c * 8);
   for (int64_t j = b0; j < e; ++j) {
-    const uint16_t* vj = v0 + j * stride + d0;
+    const uint16_t* vj = vb + (j - b0) * stride + d0;
     __m256 wj[R];
     for (int r = 0; r < R; ++r) wj[r] = _mm256_broadcast_ss(w[r] + j);
     for (int c = 0; c < NCH; ++c) {
@@ -254,27 +256,27 @@ inline void v_tile(const float* const* w, const uint16_t* v0, int64_t stride, in
 }
 
 template <int R>
-inline void v_tile8(const float* const* w, const uint16_t* v0, int64_t stride, int64_t b0,
+inline void v_tile8(const float* const* w, const uint16_t* vb, int64_t stride, int64_t b0,
                     int64_t e, float* const* accp, int64_t d0) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_load_ps(accp[r] + d0);
   for (int64_t j = b0; j < e; ++j) {
-    const __m256 vt = load_bf16x8(v0 + j * stride + d0);
+    const __m256 vt = load_bf16x8(vb + (j - b0) * stride + d0);
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[r] + j), vt, acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_store_ps(accp[r] + d0, acc[r]);
 }
 
 template <int R>
-void v_tile_all(const float* const* w, const uint16_t* v0, int64_t stride, int64_t hd,
+void v_tile_all(const float* const* w, const uint16_t* vb, int64_t stride, int64_t hd,
                 int64_t b0, int64_t e, float* const* accp) {
   const int64_t hd16 = hd & ~int64_t(15);
   int64_t d = 0;
   // Accumulators R · 2N plus R broadcasts, 2 V vectors and the mask must fit 16 registers.
   constexpr int N = R == 1 ? 4 : R == 2 ? 2 : 1;
-  for (; d + 16 * N <= hd16; d += 16 * N) v_tile<R, N>(w, v0, stride, b0, e, accp, d);
-  for (; d < hd16; d += 16) v_tile<R, 1>(w, v0, stride, b0, e, accp, d);
-  if (d < hd) v_tile8<R>(w, v0, stride, b0, e, accp, d);
+  for (; d + 16 * N <= hd16; d += 16 * N) v_tile<R, N>(w, vb, stride, b0, e, accp, d);
+  for (; d < hd16; d += 16) v_tile<R, 1>(w, vb, stride, b0, e, accp, d);
+  if (d < hd) v_tile8<R>(w, vb, stride, b0, e, accp, d);
 }
 
 // Pairs per call at or below which the register path is taken (SmolLM2-like 3 heads per KV
@@ -358,13 +360,13 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       _mm256_store_ps(tbuf + x, _mm256_setzero_ps());
   };
 
-  // Pass 1 over K.
-  const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
+  // Pass 1 over K, in blocks of up to kb keys within a page (kblk: key b0's row).
+  for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
+    b1 = attn_block_end(a, b0, kb, n_sh);
+    const uint16_t* kblk = a.kv.k(a.layer, b0) + kvh * hd;
     if (use_buf) {
       // Full 8-key blocks only: a partial block is some pair's last and read from BF16.
-      convert_block(k0 + b0 * stride, stride, (b1 - b0) & ~int64_t(7), hd, kvbuf);
+      convert_block(kblk, stride, (b1 - b0) & ~int64_t(7), hd, kvbuf);
       for (int64_t u = 0; u < np; ++u) {
         const int64_t n = n_of(u);
         const int64_t e = b1 < n ? b1 : n;
@@ -375,7 +377,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
         for (; j0 + 8 <= e; j0 += 8)
           emit_scores(dot8_buf<HD>(qp, kvbuf + (j0 - b0) * hd, hd), vscale, 8, sc + j0, vmax[u]);
         if (j0 < e)
-          emit_scores(dot8_partial(qp, k0 + j0 * stride, stride, hd, int(e - j0)), vscale,
+          emit_scores(dot8_partial(qp, kblk + (j0 - b0) * stride, stride, hd, int(e - j0)), vscale,
                       int(e - j0), sc + j0, vmax[u]);
       }
     } else {
@@ -387,9 +389,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
         float* sc[3] = {scores + u * sc_stride, scores + (u + 1) * sc_stride,
                         scores + (u + 2) * sc_stride};
         switch (tile_r[t]) {
-          case 3: scores_tile<3, HD>(qp, k0, stride, hd, b0, e, vscale, sc, vmax + u); break;
-          case 2: scores_tile<2, HD>(qp, k0, stride, hd, b0, e, vscale, sc, vmax + u); break;
-          default: scores_tile<1, HD>(qp, k0, stride, hd, b0, e, vscale, sc, vmax + u); break;
+          case 3: scores_tile<3, HD>(qp, kblk, stride, hd, b0, e, vscale, sc, vmax + u); break;
+          case 2: scores_tile<2, HD>(qp, kblk, stride, hd, b0, e, vscale, sc, vmax + u); break;
+          default: scores_tile<1, HD>(qp, kblk, stride, hd, b0, e, vscale, sc, vmax + u); break;
         }
       }
     }
@@ -427,11 +429,11 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     if (d + 16 <= hd) v_buf<2>(w, vb + d, hd, b0, e, accp + d), d += 16;
     if (d + 8 <= hd) v_buf<1>(w, vb + d, hd, b0, e, accp + d), d += 8;
   };
-  const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
+  for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
+    b1 = attn_block_end(a, b0, kb, n_sh);
+    const uint16_t* vblk = a.kv.v(a.layer, b0) + kvh * hd;
     if (use_buf) {
-      convert_block(v0 + b0 * stride, stride, b1 - b0, hd, kvbuf);
+      convert_block(vblk, stride, b1 - b0, hd, kvbuf);
       for (int64_t u = 0; u < np; ++u) {
         const int64_t n = n_of(u);
         const int64_t e = b1 < n ? b1 : n;
@@ -447,9 +449,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
                              scores + (u + 2) * sc_stride};
         float* accp[3] = {accs + u * hd, accs + (u + 1) * hd, accs + (u + 2) * hd};
         switch (tile_r[t]) {
-          case 3: v_tile_all<3>(w, v0, stride, hd, b0, e, accp); break;
-          case 2: v_tile_all<2>(w, v0, stride, hd, b0, e, accp); break;
-          default: v_tile_all<1>(w, v0, stride, hd, b0, e, accp); break;
+          case 3: v_tile_all<3>(w, vblk, stride, hd, b0, e, accp); break;
+          case 2: v_tile_all<2>(w, vblk, stride, hd, b0, e, accp); break;
+          default: v_tile_all<1>(w, vblk, stride, hd, b0, e, accp); break;
         }
       }
     }

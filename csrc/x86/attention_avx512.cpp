@@ -241,10 +241,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   };
 
   // Pass 1: stream K once.
-  const uint16_t* k0 = a.kv.k(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
-    convert_block(k0 + b0 * stride, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
+  for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
+    b1 = attn_block_end(a, b0, kb, n_sh);  // within one page
+    convert_block(a.kv.k(a.layer, b0) + kvh * hd, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
       const int64_t n = n_of(u);
       const int64_t e = b1 < n ? b1 : n;
@@ -289,10 +288,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     if (d + 16 <= hd) v_block<1>(w, vb + d, hd, b0, e, accp + d), d += 16;
     if (d + 8 <= hd) v_block8(w, vb + d, hd, b0, e, accp + d);
   };
-  const uint16_t* v0 = a.kv.v(a.layer, 0) + kvh * hd;
-  for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
-    const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
-    convert_block(v0 + b0 * stride, stride, b1 - b0, b1 - b0, hd, kvbuf);
+  for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
+    b1 = attn_block_end(a, b0, kb, n_sh);
+    convert_block(a.kv.v(a.layer, b0) + kvh * hd, stride, b1 - b0, b1 - b0, hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
       const int64_t n = n_of(u);
       const int64_t e = b1 < n ? b1 : n;
