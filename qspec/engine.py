@@ -128,6 +128,23 @@ class Engine:
         text = self.tokenizer.decode(tokens)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
+    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128,
+                       **kwargs) -> list[GenerationResult]:
+        """`generate` for every prompt, run together: their forwards share each step's passes
+        (continuous batching, qspec/batch.py; at most `max_seqs` at once, the rest join as
+        others finish). Results in the order of `prompts`; a greedy result is exactly what
+        `generate` gives for that prompt alone. The first error raised by any prompt is raised."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("generate_batch needs a list of prompts")
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(prompts), self.batcher.max_seqs),
+                                thread_name_prefix="qspec-seq") as ex:
+            futures = [ex.submit(self.generate, p, max_new_tokens, **kwargs) for p in prompts]
+            return [f.result() for f in futures]
+
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                speculative: bool = True, draft_max: int | str | Sequence | None = None,

@@ -459,3 +459,41 @@ def test_window_wider_than_the_context_changes_no_bit(path, shape):
     want = _C.attention(q, kv, 1, 500, path=path)
     assert np.array_equal(bits(_C.attention(q, kv, 1, 500, path=path, window=517)), bits(want))
     np.testing.assert_allclose(want, attention_f64(q, kv, 1, 500), **TOL_F32_VS_F64)  # head_dim 256 too
+
+
+# ------------------------------------------------------------------ paged cache
+def paged(kv, n_pos, page_size, seed=3):
+    """kv's positions 0..n_pos-1 scattered over the pages of a larger pool, in shuffled order:
+    (pool, page table)."""
+    n_pages = -(-n_pos // page_size)
+    table = np.random.default_rng(seed).permutation(n_pages + 5)[:n_pages].astype(np.int32)
+    pool = np.zeros((*kv.shape[:2], (n_pages + 5) * page_size, *kv.shape[3:]), dtype=kv.dtype)
+    pos = np.arange(n_pos)
+    pool[:, :, table[pos // page_size] * page_size + pos % page_size] = kv[:, :, :n_pos]
+    return pool, table
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [SMOLLM2, LLAMA3_8B, (6, 2, 96), GEMMA_HEADS], ids=["smollm2", "llama", "hd96", "hd256"])
+@pytest.mark.parametrize("page_size", [8, 16, 48])
+@pytest.mark.parametrize("start_pos,m,window", [(0, 33, 0), (290, 5, 0), (600, 9, 100), (1000, 1, 0)])
+def test_paged_cache_gives_the_bits_of_the_contiguous_one(path, shape, page_size, start_pos, m, window):
+    """A sequence whose positions sit in shuffled pages of a pool attends exactly as over one
+    contiguous cache: the kernels only change where a block of keys is read from."""
+    n_heads, kv_heads, hd = shape
+    q, kv = make_q(m, n_heads, hd), make_cache(kv_heads, hd)
+    want = _C.attention(q, kv, 1, start_pos, path=path, window=window)
+    pool, table = paged(kv, start_pos + m, page_size)
+    got = _C.attention(q, pool, 1, start_pos, path=path, window=window, pages=table, page_size=page_size)
+    assert np.array_equal(bits(got), bits(want)), (path, page_size, start_pos)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(pages=np.array([0], dtype=np.int32), page_size=16), "exceed the 1 pages"),
+    (dict(pages=np.array([0, 99], dtype=np.int32), page_size=16), "outside the pool"),
+    (dict(pages=np.array([0, 1], dtype=np.int32), page_size=12), "multiple of 8"),
+])
+def test_bad_page_table(bad, match):
+    q, kv = make_q(4, SMOLLM2[0], SMOLLM2[2]), make_cache(*SMOLLM2[1:])
+    with pytest.raises(ValueError, match=match):
+        _C.attention(q, kv, 1, 20, **bad)
