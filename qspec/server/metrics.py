@@ -13,7 +13,7 @@ class Metrics:
         self.requests = Counter("qspec_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.queue_depth = Gauge("qspec_queue_depth", "generation requests waiting for the worker", registry=r)
-        self.running = Gauge("qspec_requests_running", "generation requests being generated (0 or 1)", registry=r)
+        self.running = Gauge("qspec_requests_running", "generation requests being generated (batched together)", registry=r)
         self.prompt_tokens = Counter("qspec_prompt_tokens", "prompt tokens of finished generations", registry=r)
         self.cached_prompt_tokens = Counter("qspec_cached_prompt_tokens",
                                             "prompt tokens whose KV rows were reused instead of prefilled",

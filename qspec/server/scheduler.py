@@ -1,11 +1,13 @@
-"""One worker thread runs every generation, first come first served; the event loop only queues
-jobs and relays what they produce.
+"""Worker threads run the generations, first come first served; the event loop only queues jobs
+and relays what they produce.
 
-The engine has one KV cache, so generations run one at a time. Requests wait in a bounded FIFO
-(`max_queue` waiting beyond the running one; more are refused with a Retry-After estimate). The
+`parallel` workers each take the oldest waiting job and run it with Engine.tokens; the engine
+batches the forwards of the generations running at once (continuous batching, qspec/batch.py),
+and every greedy response is the one the request gets alone. Requests wait in a bounded FIFO
+(`max_queue` waiting beyond the running ones; more are refused with a Retry-After estimate). A
 worker hands each text delta to the request's asyncio queue with call_soon_threadsafe, checks
 the job's cancel flag after every token (a client that went away, a stop string that matched)
-and then closes the engine's token generator, which leaves the cache ready for the next prompt.
+and then closes the engine's token generator, which gives the sequence's KV pages back at once.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class ShuttingDown(Exception):
     pass
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One generation: prompt ids, limits, sampling, and where its results go."""
 
@@ -102,26 +104,32 @@ class TextStream:
 
 
 class Scheduler:
-    def __init__(self, engine, draft_kwargs: dict, max_queue: int, metrics):
+    def __init__(self, engine, draft_kwargs: dict, max_queue: int, metrics, parallel: int = 1):
         self.engine = engine
         self.draft_kwargs = draft_kwargs
         self.max_queue = max_queue
+        self.parallel = parallel
         self.metrics = metrics
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
         self._job_seconds = 1.0  # EMA of a job's run time, for Retry-After
-        self._thread = threading.Thread(target=self._run, name="qspec-generate", daemon=True)
+        self._running = 0
+        self._jobs: set[Job] = set()  # running
+        self._threads = [threading.Thread(target=self._run, name=f"qspec-generate-{i}", daemon=True)
+                         for i in range(parallel)]
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stopping:
                 raise ShuttingDown()
             if len(self._waiting) >= self.max_queue:
-                raise QueueFull(max(1, min(60, math.ceil(self._job_seconds * (len(self._waiting) + 1)))))
+                wait = self._job_seconds * (len(self._waiting) + 1) / self.parallel
+                raise QueueFull(max(1, min(60, math.ceil(wait))))
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cv.notify()
@@ -131,13 +139,18 @@ class Scheduler:
         then the rest are cancelled), and end the worker."""
         with self._cv:
             self._stopping = True
-            self._cv.notify()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+            self._cv.notify_all()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
             with self._cv:
                 for job in self._waiting:
                     job.cancel()
-            self._thread.join(5.0)
+                for job in self._jobs:
+                    job.cancel()
+            for t in self._threads:
+                t.join(5.0)
 
     def _run(self) -> None:
         while True:
@@ -148,10 +161,12 @@ class Scheduler:
                     return
                 job = self._waiting.popleft()
                 self.metrics.queue_depth.set(len(self._waiting))
-            if job.cancelled.is_set():
-                job.emit("done", None)
-                continue
-            self.metrics.running.set(1)
+                if job.cancelled.is_set():
+                    job.emit("done", None)
+                    continue
+                self._running += 1
+                self._jobs.add(job)
+                self.metrics.running.set(self._running)
             t0 = time.perf_counter()
             try:
                 done = self._generate(job)
@@ -165,8 +180,11 @@ class Scheduler:
                 log.exception("request %s failed", job.id)
                 job.emit("error", e)
             finally:
-                self.metrics.running.set(0)
-                self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - t0)
+                with self._cv:
+                    self._running -= 1
+                    self._jobs.discard(job)
+                    self.metrics.running.set(self._running)
+                    self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - t0)
 
     def _finished(self, job: Job, done: dict) -> None:
         """The request's metrics and its one log line (also when its client went away)."""
