@@ -1,15 +1,20 @@
 """`qspec serve` under load: `qspec bench serve [--model NAME|DIR] [--prompt-file F] [--threads N] [--quick]
-[--json PATH] [--prompts N] [--max-new N] [--reps N] [--clients C] [--requests N] [--turns T]`
-(or `python -m bench.serve ...` from a development install).
+[--json PATH] [--prompts N] [--max-new N] [--reps N] [--clients 1,2,4,8,16] [--per-client N] [--max-tokens N]
+[--long-prompt N] [--peer-server BIN --peer-gguf FILE] [--turns T]` (or `python -m bench.serve ...`).
 
-A server process on a loopback port (`python -m qspec.cli serve`, the default draft) and an
-Engine of the same model in this process, used one at a time. Greedy, speculative.
+A server process on a loopback port (`python -m qspec.cli serve --parallel max(clients)`, the
+default draft) and an Engine of the same model in this process. Greedy, speculative.
 - stream: per prompt, Engine.tokens and a streamed /v1/completions request of the same prompt
   (token ids as the prompt: no template), interleaved `--reps` times. Decode tok/s = (tokens - 1)
   / (last token - first token), both timed by their consumer (this process); the server's
   tok/s is taken at the client, over HTTP and SSE. Reported: latency to the first token (client:
   request sent -> first chunk), both tok/s and their ratio (target: >= 97%).
-- concurrency: `--clients` threads send `--requests` short completions in all; requests/s.
+- load: for each client count C (`--clients`), C clients each send `--per-client` streamed
+  requests of `--max-tokens` new tokens back to back (bench/load.py): aggregate tok/s, per-request
+  tok/s, TTFT p50, step gap p50/p99; the same against llama.cpp's llama-server (`--peer-server`,
+  `-np C` slots, continuous batching) on `--peer-gguf` (the same weights in BF16), when given.
+- admission: 4 streams run while a `--long-prompt`-token prompt is sent; the p99 of their step
+  gaps while it is prefilled against their p50 (target: <= 3x).
 - multi-turn: a `--turns`-turn chat (each turn: the chat so far, its answer, a new question)
   in the Engine, with prefix reuse and again with every prompt prefilled in full (kv.forget());
   total prefill seconds of each and their ratio (target: <= 30%).
@@ -25,10 +30,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 from .common import JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup
+from .load import LlamaServer, admission, run_clients
+from .long_prompts import long_prompts
 from .models import load_engine, model_label
 
 QUESTIONS = ["What is a CPU cache?", "Why does it matter for matrix multiplication?",
@@ -135,34 +141,6 @@ def _rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
 
 
-def concurrency(srv: ServerProcess, model: str, prompts: list[str], clients: int, requests: int) -> dict:
-    todo = list(range(requests))
-    lock = threading.Lock()
-    failures = []
-
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop()
-            status, _, body = srv.request("POST", "/v1/completions", {
-                "model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 16, "temperature": 0})
-            if status != 200:
-                failures.append(body)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if failures:
-        raise SystemExit(f"bench: error: {len(failures)} requests failed, e.g. {failures[0]}")
-    return {"case": "concurrency", "clients": clients, "requests": requests, "requests_per_s": requests / wall}
-
-
 def multi_turn(eng, turns: int, max_new: int) -> dict:
     """Total prefill seconds of a `turns`-turn chat with prefix reuse and with full prefills."""
     chats, messages = [], []
@@ -186,17 +164,32 @@ def multi_turn(eng, turns: int, max_new: int) -> dict:
             "reuse_pct": 100 * reuse / full}
 
 
+def load_rows(port: int, model: str, prompts: list[list[int]], args, server: str, label: str) -> list[dict]:
+    rows = []
+    for c in args.clients:
+        row = {"model": label, "case": "load", "server": server,
+               **run_clients(port, model, prompts, c, args.per_client, args.max_tokens)}
+        rows.append(row)
+        print(f"# {server}, {c} clients: {row['aggregate_tok_s']:.1f} tok/s in all, {row['request_tok_s']:.1f} "
+              f"per request, TTFT {row['ttft_p50_ms']:.0f} ms, step gap p50 {row['gap_p50_ms']:.0f} / p99 "
+              f"{row['gap_p99_ms']:.0f} ms", flush=True)
+    return rows
+
+
 def run(args) -> list[dict]:
     setup(args)
-    ctx = print_header(args, "bench.serve: qspec serve vs Engine, concurrency, multi-turn prefix reuse")
+    ctx = print_header(args, "bench.serve: qspec serve vs Engine, clients 1..N (vs llama-server), admission, "
+                             "multi-turn prefix reuse")
     out = JsonWriter(args.json, ctx)
     eng = load_engine(args, "auto")
     label = model_label(eng)
     prompts = dev_prompts(args.prompt_file, min(args.prompts, 2) if args.quick else args.prompts)
     max_new = min(args.max_new, 32) if args.quick else args.max_new
-    srv_args = ["-t", str(args.threads), "--max-queue", str(max(16, 2 * args.clients))]
+    slots = max(args.clients)
+    srv_args = ["-t", str(args.threads), "--parallel", str(slots), "--max-queue", str(max(16, 2 * slots))]
     srv = ServerProcess(*srv_args, *(["-m", args.model] if args.model else []))
     rows = []
+    load_prompts = [eng.encode_prompt(p) for p in dev_prompts(args.prompt_file)]
     try:
         _, _, models = srv.request("GET", "/v1/models")
         model = models["data"][0]["id"]
@@ -216,12 +209,29 @@ def run(args) -> list[dict]:
             out.write(row)
             print(f"# prompt {j}: served {s:.1f} tok/s = {row['served_pct']:.1f}% of Engine ({d:.1f}), "
                   f"first token {row['first_token_ms']:.0f} ms", flush=True)
-        requests = min(args.requests, 8) if args.quick else args.requests
-        row = {"model": label, **concurrency(srv, model, prompts, args.clients, requests)}
-        rows.append(row)
-        out.write(row)
+        for row in load_rows(srv.port, model, load_prompts, args, "qspec", label):
+            rows.append(row)
+            out.write(row)
+        if args.long_prompt:
+            (long,) = long_prompts(eng, args.long_prompt, 1)
+            row = {"model": label, "case": "admission",
+                   **admission(srv.port, model, load_prompts, long, 4, 4 * args.max_tokens)}
+            rows.append(row)
+            out.write(row)
+            print(f"# admission of a {row['long_prompt_tokens']}-token prompt beside 4 streams: step gap p99 "
+                  f"{row['gap_p99_during_ms']:.0f} ms during its prefill ({row['long_ttft_s']:.1f} s) vs p50 "
+                  f"{row['gap_p50_ms']:.0f} ms = {row['p99_over_p50']:.1f}x (target <= 3x)", flush=True)
     finally:
         srv.stop()
+    if args.peer_server:
+        peer = LlamaServer(args.peer_server, args.peer_gguf, slots, max(len(p) for p in load_prompts) + 2 * args.max_tokens,
+                           args.threads, free_port())
+        try:
+            for row in load_rows(peer.port, "peer", load_prompts, args, "llama-server", label):
+                rows.append(row)
+                out.write(row)
+        finally:
+            peer.stop()
     row = {"model": label, **multi_turn(eng, args.turns, 16 if args.quick else 48)}
     rows.append(row)
     out.write(row)
@@ -231,13 +241,28 @@ def run(args) -> list[dict]:
                              "engine_tokens_per_s", "served_tokens_per_s", "served_pct"]))
     print(f"# served/Engine tok/s (median over prompts): "
           f"{statistics.median(r['served_pct'] for r in stream):.1f}% (target >= 97%)")
-    c = rows[-2]
-    print(f"# concurrency: {c['requests']} requests (16 new tokens) from {c['clients']} clients: "
-          f"{c['requests_per_s']:.2f} requests/s")
+    load = [r for r in rows if r["case"] == "load"]
+    print(fmt_table(load, ["server", "clients", "requests", "tokens", "aggregate_tok_s", "request_tok_s",
+                           "ttft_p50_ms", "gap_p50_ms", "gap_p99_ms"]))
+    one = {r["server"]: r["aggregate_tok_s"] for r in load if r["clients"] == min(args.clients)}
+    for r in load:
+        if r["clients"] == slots and r["server"] in one:
+            print(f"# {r['server']}: {slots} clients = {r['aggregate_tok_s'] / one[r['server']]:.2f}x the aggregate of "
+                  f"{min(args.clients)}")
     m = rows[-1]
     print(f"# multi-turn ({m['turns']} turns): prefill {m['prefill_reuse_s'] * 1e3:.0f} ms with prefix reuse vs "
           f"{m['prefill_full_s'] * 1e3:.0f} ms in full = {m['reuse_pct']:.0f}% (target <= 30%)")
     return rows
+
+
+def _client_counts(s: str) -> list[int]:
+    try:
+        counts = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected client counts like 1,2,4,8, got {s!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("client counts must be >= 1")
+    return counts
 
 
 def main(argv=None) -> None:
@@ -246,13 +271,26 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=4, help="prompts for the streaming comparison (default 4)")
     p.add_argument("--max-new", type=int, default=128, help="new tokens per streamed generation (default 128)")
     p.add_argument("--reps", type=int, default=3, help="interleaved Engine/server runs per prompt (default 3)")
-    p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
-    p.add_argument("--requests", type=int, default=32, help="requests sent by the clients in all (default 32)")
+    p.add_argument("--clients", type=_client_counts, default=[1, 2, 4, 8, 16],
+                   help="client counts of the load sweep (default 1,2,4,8,16)")
+    p.add_argument("--per-client", type=int, default=2, help="requests each client sends (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per load request (default 64)")
+    p.add_argument("--long-prompt", type=int, default=2000,
+                   help="tokens of the prompt admitted beside running streams (default 2000; 0: skip)")
+    p.add_argument("--peer-server", help="llama.cpp's llama-server binary: the same load against it")
+    p.add_argument("--peer-gguf", help="the GGUF llama-server loads (the model's weights in BF16)")
     p.add_argument("--turns", type=int, default=5, help="turns of the multi-turn chat (default 5)")
     args = p.parse_args(argv)
-    for name in ("prompts", "max_new", "reps", "clients", "requests", "turns"):
+    for name in ("prompts", "max_new", "reps", "per_client", "max_tokens", "turns"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.long_prompt < 0:
+        p.error("--long-prompt must be >= 0")
+    if bool(args.peer_server) != bool(args.peer_gguf):
+        p.error("--peer-server and --peer-gguf go together")
+    if args.quick:
+        args.clients, args.per_client, args.max_tokens = [1, 2], 1, min(args.max_tokens, 16)
+        args.long_prompt = min(args.long_prompt, 200)
     run(args)
 
 

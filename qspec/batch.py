@@ -169,13 +169,14 @@ class Batcher:
         for weight_set in sorted({p.weight_set for p in passes}):
             group = [p for p in passes if p.weight_set == weight_set]
             try:
-                outs = self.backend.run(group, weight_set)
-            except Exception as e:  # noqa: BLE001 - handed to every waiting sequence
+                for p, out in zip(group, self.backend.run(group, weight_set)):
+                    p.out = out
+            except Exception:  # noqa: BLE001 - each pass alone: only the one at fault fails
                 for p in group:
-                    p.error = e
-                continue
-            for p, out in zip(group, outs):
-                p.out = out
+                    try:
+                        p.out = self.backend.run([p], weight_set)[0]
+                    except Exception as e:  # noqa: BLE001 - raised in its sequence's thread
+                        p.error = e
         self._observe(passes, time.perf_counter() - t0)
         self.steps += 1
         self.cv.notify_all()

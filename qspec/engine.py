@@ -336,9 +336,11 @@ class Engine:
         key = (k_cap, k_min, greedy, level, chain, batch)
         if key not in self._cost_models:
             below = self.levels[level - 2].bytes if level > 1 else MXLevel(self.backend, 0, "target").bytes
-            # level 1 is the draft the user chose (draft=None turns it off); the levels added above
-            # it, and an n-gram level, are skipped when they do not pay for themselves
-            skippable = level > 1 or chain[level - 1] == NGRAM
+            # level 1 is the draft the user chose (draft=None turns it off) and drafts at least
+            # draft_min tokens when the sequence runs alone; the levels added above it, an n-gram
+            # level, and level 1 beside other sequences (whose rows already fill the verify GEMMs)
+            # are skipped when they do not pay for themselves
+            skippable = level > 1 or chain[level - 1] == NGRAM or batch > 1
             self._cost_models[key] = CostModel(self.levels[level - 1].bytes / below, k_cap, k_min, skippable)
         return self._cost_models[key]
 

@@ -330,9 +330,12 @@ class NativeBackend:
                 draft: bool | int = False, tree=None) -> Pass:
         """One sequence's rows for `run`: checks them, adds the pages they need and makes them
         writable (kv.writing)."""
-        m = len(tokens)
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        m = ids.size
         if m < 1:
             raise ValueError("forward needs at least one token")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError("token id outside the vocabulary")
         if tree is not None:
             tree = (tree[0], check_tree(tree, start_pos, m))
         kv.ensure_capacity(start_pos + m)
@@ -340,7 +343,7 @@ class NativeBackend:
         # ids up to it, so they are recorded for reuse; draft rows are provisional MX rows, tree
         # rows sit at slots, not at their positions (KVCache.move_rows records accepted ones)
         kv.writing(start_pos, start_pos + m, None if draft or tree is not None else tokens, self.kernel_path)
-        return Pass(kv, np.asarray(tokens, dtype=np.int32).reshape(-1), int(start_pos), all_logits, tree,
+        return Pass(kv, ids.astype(np.int32), int(start_pos), all_logits, tree,
                     self.reads_draft_copy(draft, start_pos))
 
     def run(self, passes: Sequence[Pass], weight_set: int) -> list[np.ndarray]:

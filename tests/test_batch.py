@@ -137,3 +137,39 @@ def test_pool_budget_too_small_for_one_sequence(default_model_dir):
     with pytest.raises(qspec.ContextMemoryError, match="KV cache's budget of 32 tokens"):
         eng.generate(list(range(1, 40)), max_new_tokens=4)
     assert not eng.batcher.live
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_real_model_under_load(name):
+    """A real model, 1 to 16 generations at once with mixed prompt lengths (up to ~600 tokens,
+    prefilled in chunks beside the others), speculation on, some cancelled part-way: every greedy
+    response equals the same request run alone, token for token."""
+    from qspec.bench.long_prompts import long_prompts
+
+    eng = qspec.load(name, threads=2)
+    ps = [eng.encode_prompt(t) for t in load_prompts(None)] + long_prompts(eng, 600, 2)
+    lengths = [24, 5, 16, 24, 9, 24, 3, 20]
+    want = [eng.generate(p, max_new_tokens=lengths[i % len(lengths)]).tokens for i, p in enumerate(ps)]
+    for clients in (2, 16):
+        got: dict[int, list[int]] = {}
+
+        def run(i, stop_after):
+            toks = []
+            gen = eng.tokens(ps[i], max_new_tokens=lengths[i % len(lengths)])
+            for t in gen:
+                toks.append(t)
+                if len(toks) == stop_after:
+                    gen.close()  # a client that went away
+                    break
+            got[i] = toks
+
+        threads = [threading.Thread(target=run, args=(i % len(ps), 4 if i % 5 == 4 else -1))
+                   for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, toks in got.items():
+            assert toks == want[i][:len(toks)] and (len(toks) == len(want[i]) or len(toks) == 4), (name, clients, i)
+    assert not eng.batcher.live and all(eng.backend.pool.refs == 0)

@@ -258,14 +258,39 @@ def test_graceful_shutdown_finishes_the_stream_in_flight(tmp_path):
 
 def test_bench_serve_quick(tmp_path, capsys):
     out = tmp_path / "serve.jsonl"
-    bench_serve.main(["--quick", "--prompts", "1", "--max-new", "8", "--reps", "1", "--clients", "2",
-                      "--requests", "2", "--turns", "2", "--json", str(out)])
+    bench_serve.main(["--quick", "--prompts", "1", "--max-new", "8", "--reps", "1", "--turns", "2",
+                      "--json", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["case"] for r in rows] == ["stream", "concurrency", "multi_turn"]
+    assert [r["case"] for r in rows] == ["stream", "load", "load", "admission", "multi_turn"]
     assert rows[0]["served_tokens_per_s"] > 0 and rows[0]["engine_tokens_per_s"] > 0 and rows[0]["new_tokens"] == 8
-    assert rows[1]["requests_per_s"] > 0
-    assert rows[2]["cached_tokens"] > 0 and rows[2]["prefill_reuse_s"] > 0
-    assert "target >= 97%" in capsys.readouterr().out
+    assert [r["clients"] for r in rows[1:3]] == [1, 2] and all(r["aggregate_tok_s"] > 0 for r in rows[1:3])
+    assert rows[3]["long_prompt_tokens"] <= 200 and rows[3]["gap_p50_ms"] > 0
+    assert rows[4]["cached_tokens"] > 0 and rows[4]["prefill_reuse_s"] > 0
+    printed = capsys.readouterr().out
+    assert "target >= 97%" in printed and "2 clients =" in printed
+
+
+def test_concurrent_streams_equal_each_request_alone(server, engine):
+    """Eight requests at once, of different lengths, speculative: each greedy answer is the one
+    the engine gives that prompt alone, token for token (continuous batching, qspec/batch.py)."""
+    prompts = ["def fibonacci(n):", "The three primary colours are", "import numpy as np\n", "Once upon a time",
+               "SELECT name FROM", "The capital of Japan is", "for i in range(10):", "Water boils at"]
+    lengths = [24, 6, 17, 24, 3, 12, 24, 9]
+    want = [engine.generate(p, max_new_tokens=n, chat=False).text for p, n in zip(prompts, lengths)]
+    got: dict[int, str] = {}
+
+    def client(i: int) -> None:
+        status, _, body = server.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": prompts[i], "temperature": 0, "max_tokens": lengths[i]})
+        assert status == 200, body
+        got[i] = body["choices"][0]["text"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [got.get(i) for i in range(len(prompts))] == want
 
 
 @pytest.mark.slow
