@@ -44,6 +44,7 @@ class Pass:
     all_logits: bool
     tree: tuple | None
     draft_q8: bool = False
+    target_rows: bool = False  # rows of the target, recorded for the prefix cache once written
     prefill: bool = False
     weight_set: int = 0
     out: np.ndarray | None = None
@@ -126,12 +127,13 @@ class Batcher:
         """kv needs a page and the budget is spent: preempt the newest sequence (kv's own when it
         is the newest: Preempted)."""
         victim = max(self.live, key=lambda s: s.order, default=None)
-        if victim is None or victim.kv is kv or len(self.live) == 1:
+        if victim is None or victim.kv is kv:
             raise Preempted("the KV cache is full")
         victim.kv.preempt()
         for p in victim.passes:
             p.error = Preempted("preempted for an older sequence")
         victim.passes = []
+        self.live.remove(victim)  # its thread starts it again (Engine._tokens)
         self.cv.notify_all()
 
     # ---------------------------------------------------------------- steps

@@ -237,7 +237,8 @@ class KVCache:
         # follow `length`: it holds whatever the last target passes wrote.
         self.tokens: list[int] = []
         self.tokens_path: str | None = None
-        self._indexed = 0  # leading pages listed in the pool's index by this sequence
+        self._indexed = 0  # leading pages listed in the pool's index (by us or adopted)
+        self._adopted = 0  # leading pages adopted from the index (by reference)
         self.preempted = False
         # called (pool lock held) when a page is needed and the pool's budget is spent: frees
         # pages by preempting another sequence, or raises Preempted (qspec/batch.py); None: raise
@@ -325,7 +326,7 @@ class KVCache:
                 self.pool.release(page)
             self.pages = []
             self._table = None
-            self._indexed = 0
+            self._indexed = self._adopted = 0
             self.length = 0
             self.tokens = []
 
@@ -339,7 +340,7 @@ class KVCache:
             self.pages = []
             self._table = None
             self.tokens = []
-            self._indexed = 0
+            self._indexed = self._adopted = 0
 
     def reset(self) -> None:
         self.length = 0
@@ -383,7 +384,7 @@ class KVCache:
                 n += m
                 break
             self._table = None
-            self._indexed = n // ps
+            self._indexed = self._adopted = n // ps
             self.tokens = [int(t) for t in ids[:n]]
             self.tokens_path = kernel_path
             self.length = n
@@ -416,19 +417,22 @@ class KVCache:
         if partial and full < len(self.pages) and n_tokens > full * ps and pool.refs[self.pages[full]] == 1:
             pool.index(self.pages[full], key, tuple(self.tokens[full * ps:n_tokens]))
 
-    def writing(self, start_pos: int, end: int, tokens=None, kernel_path: str | None = None) -> None:
-        """A pass is about to write positions start_pos..end-1 (every backend calls this): pages
-        there that other sequences share are copied first, indexed pages of ours leave the index,
-        and the record is cut at start_pos.
-
-        `tokens`: the ids of the target rows it writes, recorded for reuse; None for rows that
-        must not be reused (a draft pass's provisional MX rows, or a backend whose rows depend on
-        the batch they were computed in)."""
+    def writing(self, start_pos: int, end: int) -> None:
+        """A pass is about to write positions start_pos..end-1 (every backend calls this before
+        the pass): their pages are made ours to write (`_own`) and the record is cut at
+        start_pos. `recorded` extends it once the pass has run."""
         with self.pool.lock:
             self._check()
             self._own(start_pos, end)
             del self.tokens[start_pos:]
-            if tokens is None or start_pos != len(self.tokens):
+
+    def recorded(self, start_pos: int, tokens, kernel_path: str | None) -> None:
+        """A pass has written target rows of `tokens` from start_pos on (their bits depend only on
+        the ids up to them, at `kernel_path`): the record takes them, and the pages it now covers
+        in full are indexed for other prompts. Draft passes, tree passes and backends whose rows
+        depend on the batch record nothing."""
+        with self.pool.lock:
+            if self.preempted or start_pos != len(self.tokens):
                 return
             if kernel_path != self.tokens_path:
                 self.tokens = []
@@ -439,19 +443,23 @@ class KVCache:
             self._index_through(len(self.tokens))
 
     def _own(self, start: int, end: int) -> None:
-        """Make the pages of positions start..end-1 writable: a page another sequence holds, or
-        one the index lists (its rows may be adopted later), is replaced by a copy of our own."""
+        """Make the pages of positions start..end-1 writable: a page another sequence holds or one
+        it adopted from the index (rows other prompts may adopt) is replaced by a copy of our own;
+        a page we indexed ourselves leaves the index (its rows are about to change)."""
         ps, pool = self.pool.page_size, self.pool
         first = start // ps
         for i in range(first, min(-(-end // ps), len(self.pages))):
             page = self.pages[i]
-            if pool.refs[page] > 1 or pool.indexed(page):
+            if pool.refs[page] > 1 or (i < self._adopted and pool.indexed(page)):
                 own = self._alloc()
                 pool.copy_rows(np.arange(page * ps, page * ps + ps), np.arange(own * ps, own * ps + ps))
                 pool.release(page)
                 self.pages[i] = own
                 self._table = None
+            elif pool.indexed(page):
+                pool.unindex(page)
         self._indexed = min(self._indexed, first)
+        self._adopted = min(self._adopted, first)
 
     def move_rows(self, src_slots, dst_start: int, tokens=None, kernel_path: str | None = None) -> None:
         """Copies the K/V of every layer at `src_slots` (ascending, src_slots[j] >= dst_start + j)
@@ -476,9 +484,11 @@ class KVCache:
         if tokens is not None and len(tokens) != n:
             raise ValueError(f"move_rows: {len(tokens)} tokens for {n} rows")
         with self.pool.lock:
-            self.writing(dst_start, dst_start + n, tokens, kernel_path)
+            self.writing(dst_start, dst_start + n)
             if n and not np.array_equal(src, dst_start + np.arange(n)):
                 ps = self.pool.page_size
                 table = self.page_table.astype(np.int64)
                 self.pool.copy_rows(table[src // ps] * ps + src % ps, self.rows(dst_start, dst_start + n))
+            if tokens is not None:
+                self.recorded(dst_start, tokens, kernel_path)
             self.length = dst_start + n

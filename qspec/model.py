@@ -151,7 +151,7 @@ class TorchBackend:
         kv.ensure_capacity(start_pos + len(tokens))
         # nothing recorded for reuse: torch's GEMMs are not batch-invariant (a row computed in a
         # prefill of M rows need not match the same row computed alone), so every prompt is prefilled
-        kv.writing(start_pos, start_pos + len(tokens))
+        kv.writing(start_pos, start_pos + len(tokens))  # and never `recorded`
         return Pass(kv, np.asarray(tokens, dtype=np.int64).reshape(-1), int(start_pos), all_logits, tree)
 
     def run(self, passes, weight_set: int) -> list[np.ndarray]:

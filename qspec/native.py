@@ -342,9 +342,9 @@ class NativeBackend:
         # every op is batch-invariant (docs/architecture.md): a target row's bits depend only on the
         # ids up to it, so they are recorded for reuse; draft rows are provisional MX rows, tree
         # rows sit at slots, not at their positions (KVCache.move_rows records accepted ones)
-        kv.writing(start_pos, start_pos + m, None if draft or tree is not None else tokens, self.kernel_path)
+        kv.writing(start_pos, start_pos + m)
         return Pass(kv, ids.astype(np.int32), int(start_pos), all_logits, tree,
-                    self.reads_draft_copy(draft, start_pos))
+                    self.reads_draft_copy(draft, start_pos), target_rows=not draft and tree is None)
 
     def run(self, passes: Sequence[Pass], weight_set: int) -> list[np.ndarray]:
         """One native forward of `weight_set` over the passes' rows (the caller holds the pool
@@ -358,6 +358,10 @@ class NativeBackend:
         self.model.forward(tokens, [(len(p.tokens), p.start_pos, p.kv.page_table, p.all_logits, p.tree, p.draft_q8)
                                     for p in passes], self.pool.data, int(weight_set), out, self.pool.q8,
                            self.pool.page_size)
+        path = self.kernel_path
+        for p in passes:
+            if p.target_rows:
+                p.kv.recorded(p.start_pos, p.tokens, path)
         res, r = [], 0
         for p in passes:
             n = len(p.tokens) if p.all_logits else 1

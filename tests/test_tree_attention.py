@@ -8,7 +8,7 @@ import pytest
 import qspec
 from qspec import _C
 from qspec.draft import DraftSpec
-from qspec.kv_cache import KVCache
+from qspec.kv_cache import KVCache, KVPool
 from qspec.native import NativeBackend
 from qspec.synthetic import synthetic_config, synthetic_weights
 
@@ -234,8 +234,9 @@ def test_forward_rejects_bad_trees(backend, bad, msg):
 def test_move_rows_validates():
     cfg = synthetic_config("smollm2-135m", hidden_size=64, intermediate_size=64, n_layers=1,
                            n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=50, max_seq_len=32)
-    kv = KVCache(cfg, 16)
-    kv.data[:] = np.arange(16, dtype=np.uint16)[None, None, :, None, None]
+    kv = KVCache(KVPool(cfg))
+    kv.ensure_capacity(16)
+    kv.data[:, :, kv.rows(0, 16)] = np.arange(16, dtype=np.uint16)[None, None, :, None, None]
     for src, dst, msg in [([5, 4], 2, "ascending"), ([1], 2, "ascending"), ([3], -1, "dst_start"),
                           ([16], 2, "capacity"), ([[3]], 2, "1-D"), ([3.0], 2, "1-D")]:
         with pytest.raises(ValueError, match=msg):
@@ -243,4 +244,4 @@ def test_move_rows_validates():
     with pytest.raises(ValueError, match="tokens"):
         kv.move_rows([3, 5], 2, tokens=[1])
     kv.move_rows([3, 5, 9], 2)
-    assert kv.length == 5 and kv.data[0, 0, 2:5, 0, 0].tolist() == [3, 5, 9]
+    assert kv.length == 5 and kv.data[0, 0, kv.rows(2, 5), 0, 0].tolist() == [3, 5, 9]
