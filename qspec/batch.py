@@ -47,6 +47,7 @@ class Pass:
     target_rows: bool = False  # rows of the target, recorded for the prefix cache once written
     prefill: bool = False
     weight_set: int = 0
+    cost: float = 0.0  # seconds: its rows' share of its weight set's forward + its share of the gap
     out: np.ndarray | None = None
     error: BaseException | None = None
 
@@ -80,6 +81,7 @@ class Batcher:
         # step cost: an EMA of a step without prefill rows, and of one prefill row (seconds)
         self._step_s: float | None = None
         self._row_s: float | None = None
+        self._last_end: float | None = None
 
     # ---------------------------------------------------------------- admission
     def open(self, prompt_tokens: int, cancelled=None) -> Seq:
@@ -168,18 +170,26 @@ class Batcher:
         for s in self.live:
             s.passes = []
         t0 = time.perf_counter()
+        # the sequences' own time since the last step (acceptance, sampling, the rendezvous),
+        # one share per pass, is part of what each pass costs (SeqBackend.clock)
+        gap = t0 - self._last_end if self._last_end is not None else 0.0
         for weight_set in sorted({p.weight_set for p in passes}):
             group = [p for p in passes if p.weight_set == weight_set]
+            t = time.perf_counter()
             try:
                 for p, out in zip(group, self.backend.run(group, weight_set)):
                     p.out = out
+                rows, t = sum(len(p.tokens) for p in group), time.perf_counter() - t
+                for p in group:
+                    p.cost = t * len(p.tokens) / rows + gap / len(passes)
             except Exception:  # noqa: BLE001 - each pass alone: only the one at fault fails
                 for p in group:
                     try:
                         p.out = self.backend.run([p], weight_set)[0]
                     except Exception as e:  # noqa: BLE001 - raised in its sequence's thread
                         p.error = e
-        self._observe(passes, time.perf_counter() - t0)
+        self._last_end = time.perf_counter()
+        self._observe(passes, self._last_end - t0)
         self.steps += 1
         self.cv.notify_all()
 
@@ -199,6 +209,15 @@ class SeqBackend:
     def __init__(self, batcher: Batcher, seq: Seq):
         self._batcher, self._seq = batcher, seq
         self.kv = seq.kv
+        self.shared = False  # set when the sequence runs beside others (see clock)
+        self._cost = 0.0
+
+    def clock(self) -> float:
+        """Seconds for the cost models: wall time alone; beside other sequences, the sum of this
+        sequence's shares of the steps it took part in (each forward's time split by rows, the
+        time between steps split by passes), so that a draft length is weighed by what its rows
+        and round trips cost the batch, not by the waits for the other sequences' passes."""
+        return self._cost if self.shared else time.perf_counter()
 
     def __getattr__(self, name):
         return getattr(self._batcher.backend, name)
@@ -210,4 +229,5 @@ class SeqBackend:
         p = be.prepare(self.kv, tokens, start_pos, all_logits=all_logits, draft=draft, tree=tree)
         p.prefill = prefill
         out = self._batcher.submit(self._seq, p, int(draft))
+        self._cost += p.cost
         return out if all_logits else out[-1:]

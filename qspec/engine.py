@@ -294,6 +294,7 @@ class Engine:
         if speculative and chain and max_new_tokens > 1:
             names = tuple(lv.name for lv in chain)
             batch = 1 << (self.batcher.others(seq)).bit_length()  # 1, 2, 4, 8, ..: K is chosen per batch size
+            be.shared = batch > 1
             ks: list[int | None] = [None]
             costs: list[CostModel | None] = [None]
             for i, k in enumerate(per_level, start=1):
@@ -341,7 +342,7 @@ class Engine:
             # level, and level 1 beside other sequences (whose rows already fill the verify GEMMs)
             # are skipped when they do not pay for themselves
             skippable = level > 1 or chain[level - 1] == NGRAM or batch > 1
-            self._cost_models[key] = CostModel(self.levels[level - 1].bytes / below, k_cap, k_min, skippable)
+            self._cost_models[key] = CostModel(self.levels[level - 1].bytes / below, k_cap, k_min, skippable, batch)
         return self._cost_models[key]
 
     def memory(self, tokens: int | None = None) -> str:

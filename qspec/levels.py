@@ -156,6 +156,9 @@ class Chain:
                  params: SamplingParams, dp: DraftParams, tree=None):
         """`tree`: a (TreeParams, TreeCost or None) pair: level 1 drafts trees (qspec/tree.py)."""
         self.levels, self.ks, self.costs, self.params, self.dp = levels, ks, costs, params, dp
+        # what the cost models are fed: the sequence's share of the batched passes when it runs
+        # beside others (qspec/batch.py, SeqBackend.clock), else wall time
+        self.clock = getattr(levels[0].backend, "clock", time.perf_counter)
         self.gen = None if params.greedy else params.generator()
         self.stats = [LevelStats() for _ in levels]
         self.tree = None
@@ -208,11 +211,11 @@ class Chain:
         it keeps and its own next one, with level i's probability rows for them (sampling)."""
         up = i + 1
         k = self._k(up, room)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         drafts, qs = self._draft(up, last, pos, k, context) if k else ([], [])
-        t1 = time.perf_counter()
+        t1 = self.clock()
         rows = self.levels[i].score([last] + drafts, pos, context)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         if self.gen is None:
             best = argmax(rows)
             a = next((j for j, d in enumerate(drafts) if d != best[j]), len(drafts))

@@ -67,9 +67,18 @@ class CostModel:
     DECAY = 0.97  # ~30-step memory: acceptance drifts with the text being written
     PRIOR = 2.0   # trials' worth of weight each a_j takes from the position before it
     PROBE_EVERY = 8  # a skipping level drafts again after this many skipped steps, to keep a_j current
+    SHARED_MARGIN = 1.25
 
-    def __init__(self, byte_ratio: float, k_max: int, k_min: int, skippable: bool = False):
+    def __init__(self, byte_ratio: float, k_max: int, k_min: int, skippable: bool = False, shared_by: int = 1):
+        """`shared_by`: the sequences that consult this model at once (a batch size class,
+        qspec/batch.py): a skipping level probes once every PROBE_EVERY of each one's steps."""
         self.k_min, self.k_max = k_min, k_max
+        self.probe_every = self.PROBE_EVERY * shared_by
+        # beside other sequences, drafting must beat the plain step by SHARED_MARGIN: the
+        # shares it is fed leave out what a draft step costs everyone (one more rendezvous and
+        # forward per step; measured on Zen 3 with 8 sequences: drafting at a predicted break-even
+        # gave 15% less aggregate throughput than not drafting)
+        self.margin = 1.0 if shared_by == 1 else self.SHARED_MARGIN
         self.byte_ratio = byte_ratio
         # skippable: choose() may return 0 (no drafting this step) when the pass alone, at
         # t_v(1) per token, beats the best K; K = 0 is then explored like the others
@@ -133,7 +142,7 @@ class CostModel:
                 rate = tau / (k * t_d + self.verify_seconds(k + 1))
                 if rate > best:
                     best_k, best = k, rate
-        if self.skippable and best * self.verify_seconds(1) < 1.0 and self._skips < self.PROBE_EVERY:
+        if self.skippable and best * self.verify_seconds(1) < self.margin and self._skips < self.probe_every:
             self._skips += 1
             return 0
         self._skips = 0
