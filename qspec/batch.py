@@ -31,7 +31,7 @@ import numpy as np
 
 from .kv_cache import KVCache, Preempted
 
-MIN_CHUNK = 16  # prefill rows per step at least, with other sequences running
+MIN_CHUNK = 8  # prefill rows per step at least, with other sequences running
 
 
 @dataclass
@@ -121,8 +121,10 @@ class Batcher:
     def prefill_chunk(self, seq: Seq) -> int | None:
         """Prompt rows `seq` should send in its next pass: None (all of them) when it runs alone,
         else about one step's worth of rows (measured), at least MIN_CHUNK."""
-        if not self.others(seq) or self._step_s is None or self._row_s is None:
-            return None if not self.others(seq) else 4 * MIN_CHUNK
+        if not self.others(seq):
+            return None
+        if self._step_s is None or self._row_s is None:
+            return MIN_CHUNK  # until a step and a prefill row are measured
         return max(MIN_CHUNK, int(self._step_s / self._row_s) // 8 * 8)
 
     def _exhausted(self, kv: KVCache) -> None:
