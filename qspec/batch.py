@@ -14,7 +14,8 @@ batch-invariant (docs/architecture.md), so a sequence's rows, hence its greedy o
 whatever else runs in the step.
 
 Prompts are prefilled in chunks when other sequences are running (`prefill_chunk`): a chunk
-costs about one step, so a long prompt does not stall everyone's stream. When a sequence needs a
+costs about one step and rides with the target's passes (not with draft passes), so a long prompt
+adds about one step to each speculation round of the running streams instead of stalling them. When a sequence needs a
 page and the pool's budget is spent, the newest sequence is preempted: its pages are freed and
 it starts again later from its prompt and the tokens it already produced (greedy: the same
 tokens follow).
@@ -34,7 +35,7 @@ from .kv_cache import KVCache, Preempted
 MIN_CHUNK = 8  # prefill rows per step at least, with other sequences running
 
 
-@dataclass
+@dataclass(eq=False)
 class Pass:
     """One sequence's rows for a forward of one weight set."""
 
@@ -169,8 +170,13 @@ class Batcher:
         """One step: every waiting pass, one native forward per weight set (under the pool lock,
         so no page moves while it runs)."""
         passes = [p for s in self.live for p in s.passes]
+        decode = [p for p in passes if not p.prefill]
+        if decode and all(p.weight_set for p in decode):
+            # only draft passes of the running sequences: a prompt chunk waits for their verify
+            # step, so that a speculation round (drafts + verify) takes one chunk, not one a pass
+            passes = decode
         for s in self.live:
-            s.passes = []
+            s.passes = [p for p in s.passes if p not in passes]
         t0 = time.perf_counter()
         # the sequences' own time since the last step (acceptance, sampling, the rendezvous),
         # one share per pass, is part of what each pass costs (SeqBackend.clock)
