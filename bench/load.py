@@ -34,9 +34,10 @@ class Stream:
     ended: float = 0.0
 
     def gaps(self, lo: float = 0.0, hi: float = float("inf")) -> list[float]:
-        """Gaps between consecutive bursts whose later burst arrived in [lo, hi)."""
+        """Gaps between consecutive bursts that overlap [lo, hi) (a stream frozen through the
+        whole window counts with the one gap that spans it)."""
         bursts = [t for i, t in enumerate(self.chunks) if i == 0 or t - self.chunks[i - 1] >= BURST_S]
-        return [b - a for a, b in zip(bursts, bursts[1:]) if lo <= b < hi]
+        return [b - a for a, b in zip(bursts, bursts[1:]) if b > lo and a < hi]
 
 
 def stream_request(port: int, body: dict, timeout: float = 900, s: Stream | None = None) -> Stream:
