@@ -85,14 +85,12 @@ class Batcher:
         self._last_end: float | None = None
 
     # ---------------------------------------------------------------- admission
-    def open(self, prompt_tokens: int, cancelled=None) -> Seq:
+    def open(self, prompt_tokens: int) -> Seq:
         """Admit a new sequence once a slot is free and the pool has pages for `prompt_tokens`
-        (waits; `cancelled()` true gives up with Preempted)."""
+        (waits; a sequence running alone is always admitted)."""
         need = -(-prompt_tokens // self.pool.page_size) + self.min_free_pages
         with self.cv:
             while len(self.live) >= self.max_seqs or (self.live and self.pool.free_pages() < need):
-                if cancelled is not None and cancelled():
-                    raise Preempted("cancelled while waiting for admission")
                 self.cv.wait(0.5)
             seq = Seq(KVCache(self.pool), next(self._order))
             seq.kv.on_exhausted = self._exhausted

@@ -390,18 +390,6 @@ class KVCache:
             self.length = n
             return n
 
-    def reusable(self, ids: list[int], kernel_path: str | None) -> int:
-        """How many leading rows of `ids` this sequence already holds as target rows, computed by
-        the kernels `kernel_path` selects now (rows of another ISA level differ in their bits)."""
-        if kernel_path != self.tokens_path:
-            return 0
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
-
     def _index_through(self, n_tokens: int, partial: bool = False) -> None:
         """List the pages the record covers in full (and, with `partial`, the covered start of the
         next one) in the pool's index."""
