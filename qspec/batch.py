@@ -234,6 +234,6 @@ class SeqBackend:
         be = self._batcher.backend
         p = be.prepare(self.kv, tokens, start_pos, all_logits=all_logits, draft=draft, tree=tree)
         p.prefill = prefill
-        out = self._batcher.submit(self._seq, p, int(draft))
+        out = self._batcher.submit(self._seq, p, int(draft))  # [m or 1, vocab rows], as asked
         self._cost += p.cost
-        return out if all_logits else out[-1:]
+        return out
