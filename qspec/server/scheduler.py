@@ -127,7 +127,8 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise ShuttingDown()
-            if len(self._waiting) >= self.max_queue:
+            idle = self.parallel - self._running  # workers about to take a waiting job: not queued
+            if len(self._waiting) - idle >= self.max_queue:
                 wait = self._job_seconds * (len(self._waiting) + 1) / self.parallel
                 raise QueueFull(max(1, min(60, math.ceil(wait))))
             self._waiting.append(job)
