@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,13 @@ DEV_PROMPTS = HERE / "prompts" / "dev.jsonl"  # the dev prompt set, shipped with
 # from a passage given in the prompt): where n-gram drafting pays. `--prompt-file repetition`
 REPETITION_PROMPTS = HERE / "prompts" / "repetition.jsonl"
 SHIPPED_PROMPTS = {"dev": DEV_PROMPTS, "repetition": REPETITION_PROMPTS}
+
+
+def free_port() -> int:
+    """A free loopback TCP port (for a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def parent_parser() -> argparse.ArgumentParser:

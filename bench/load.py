@@ -168,6 +168,19 @@ class LlamaServer:
         self.stop()
         raise RuntimeError("llama-server did not answer /health in time")
 
+    def prefill_s(self, ids: list[int]) -> float:
+        """Seconds llama-server spends on the prompt `ids` (its own timings.prompt_ms; no cached prefix)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
+        conn.request("POST", "/completion", json.dumps({"prompt": ids, "n_predict": 1, "cache_prompt": False}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        if r.status != 200:
+            raise RuntimeError(f"llama-server answered {r.status}: {body}")
+        if body["timings"]["prompt_n"] != len(ids):
+            raise RuntimeError(f"llama-server prefilled {body['timings']['prompt_n']} of {len(ids)} tokens")
+        return body["timings"]["prompt_ms"] / 1e3
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -26,10 +26,12 @@ Per prompt length L (real text: a standard-library source file and a question, b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
-from .common import JsonWriter, fmt_table, model_parser, parent_parser, print_header, setup
+from .common import JsonWriter, fmt_table, free_port, model_parser, parent_parser, print_header, setup
+from .load import LlamaServer
 from .long_prompts import long_prompts
 from .models import load_engine, model_label
 from qspec import _C
@@ -94,8 +96,15 @@ def qspec_prefill(eng, ids: list[int]) -> dict:
             "lm_head_s": prof["gemm_lm_head_s"], "mlp_s": prof["gemm_gate_up_s"], "attention_s": prof["attention_s"]}
 
 
-def llama_cpp_runner(args, eng):
+def llama_cpp_runner(args, eng, stack):
     """A function ids -> seconds to llama.cpp's first token on the BF16 GGUF, or None (printed why)."""
+    if args.peer_server:
+        n_ctx = -(-(max(args.lengths) + 16) // 256) * 256
+        srv = LlamaServer(args.peer_server, args.peer_gguf, 1, n_ctx, args.threads, free_port())
+        stack.callback(srv.stop)
+        print(f"# llama.cpp: {args.peer_server} on {args.peer_gguf}, {args.threads} threads (timings.prompt_ms)",
+              flush=True)
+        return srv.prefill_s
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -119,7 +128,12 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="prompt lengths in tokens (default 512,2048,8192; --quick: 128,512)")
     p.add_argument("--reps", type=int, default=None, help="runs per length (default 3; --quick: 1)")
+    p.add_argument("--peer-server", help="llama.cpp's llama-server binary: its prompt time on --peer-gguf "
+                   "(instead of llama-cpp-python)")
+    p.add_argument("--peer-gguf", help="the GGUF llama-server loads (the model's weights in BF16)")
     args = p.parse_args(argv)
+    if bool(args.peer_server) != bool(args.peer_gguf):
+        p.error("--peer-server and --peer-gguf go together")
     args.lengths = args.lengths or ([128, 512] if args.quick else [512, 2048, 8192])
     args.reps = args.reps or (1 if args.quick else 3)
     if min(args.lengths) < 64 or args.reps < 1:
@@ -136,11 +150,11 @@ def main(argv=None) -> None:
     clock = cpu_clock_hz()
     print(f"# model {model_label(eng)}; GEMM peak {peak and f'{peak:.0f}'} GFLOP/s = {args.threads} threads x "
           f"{clock and f'{clock / 1e9:.2f}'} GHz x {FLOPS_PER_CYCLE[isa]} FLOP/cycle ({isa})", flush=True)
-    peer = llama_cpp_runner(args, eng)
     prompts = {n: long_prompts(eng, n, 1)[0] for n in args.lengths}
     qspec_prefill(eng, prompts[args.lengths[0]][:64])  # warm-up: page the weights in
     rows = []
-    with JsonWriter(args.json, ctx) as out:
+    with contextlib.ExitStack() as stack, JsonWriter(args.json, ctx) as out:
+        peer = llama_cpp_runner(args, eng, stack)
         for n, ids in prompts.items():
             runs = [qspec_prefill(eng, ids) for _ in range(args.reps)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

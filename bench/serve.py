@@ -26,13 +26,12 @@ import argparse
 import http.client
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-from .common import JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup
+from .common import JsonWriter, dev_prompts, fmt_table, free_port, model_parser, parent_parser, print_header, setup
 from .load import LlamaServer, admission, run_clients
 from .long_prompts import long_prompts
 from .models import load_engine, model_label
@@ -40,12 +39,6 @@ from .models import load_engine, model_label
 QUESTIONS = ["What is a CPU cache?", "Why does it matter for matrix multiplication?",
              "Give an example with numbers.", "How does a GPU differ here?", "Summarize in one sentence.",
              "What should I read next?", "Thanks! One more: what is SIMD?", "And AVX-512?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

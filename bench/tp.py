@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,7 +64,7 @@ import numpy as np
 from qspec.errors import TensorParallelError
 from qspec.parallel.comm import FORWARD, HEADER
 
-from .common import JsonWriter, fmt_table, model_parser, parent_parser, print_header, setup
+from .common import JsonWriter, fmt_table, free_port, model_parser, parent_parser, print_header, setup
 from .tp_e2e import add_e2e_args, run_e2e
 
 REDUCE_M, REDUCE_D = (1, 5, 9, 16), (576, 1536, 4096, 8192)
@@ -192,16 +191,10 @@ def _rank_main(rank: int, spec: dict) -> None:
         comm.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, spec: dict, tmp: str) -> None:
     """Run _rank_main in `world` processes on loopback; TensorParallelError (with the failing rank's
     last stderr line) if one fails or all have not finished in time; the others are ended."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), QSPEC_TP_TRANSPORT=spec["transport"])
     module = __spec__.name if __spec__ else __name__
     code = f"import json, sys; from {module} import _rank_main; _rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))"

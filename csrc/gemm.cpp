@@ -283,6 +283,20 @@ float ref_dot(const GemmArgs& a, int64_t row, int64_t i) {
 
 }  // namespace
 
+GemmArgs rows_of(const GemmArgs& a, int64_t m0, int64_t m) {
+  GemmArgs c = a;
+  c.m = c.mpad = m;
+  if (a.x) c.x = a.x + m0 * a.ldx;
+  if (a.xq) {
+    c.xq = a.xq + m0 * a.kp;
+    c.xd = a.xd + m0 * (a.kp / kKBlk);
+    c.xc = a.xc + m0 * (a.kp / kKBlk);
+  }
+  if (a.xbf) c.xbf = a.xbf + m0 * a.kp;
+  c.y = a.y + m0 * a.ldy;
+  return c;
+}
+
 void gemm_blocks_ref(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   for (int64_t row = nb0 * kRows; row < std::min(a.n, nb1 * kRows); ++row)
     for (int64_t i = 0; i < a.m; ++i) a.y[i * a.ldy + row] = ref_dot(a, row, i);

@@ -387,7 +387,7 @@ def test_prefill_sizes_match_ref(rng):
 # ----------------------------------------------------------------------- batch invariance
 
 
-def check_invariance(pw, k, rng, ms=(2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 64)):
+def check_invariance(pw, k, rng, ms=(2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 64, 97)):
     row = rng.standard_normal((1, k)).astype(np.float32)
     for p in paths_for(pw, 1):
         alone = _C.gemm(pw, row, path=p)
@@ -427,9 +427,10 @@ def test_amx_rows_same_for_decode_and_prefill(rng):
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_batch_invariance_long_k(fmt, rng):
-    """Long K exercises the K-chunked loop of the M-blocked kernels."""
+    """Long K exercises the K-chunked loop of the M-blocked kernels, and past kPrefillRows rows
+    the prefill chunks of rows with their L2-sized K chunks (csrc/gemm_internal.h)."""
     pw, _ = make_weight(rng, fmt, 48, 4128)
-    check_invariance(pw, 4128, rng, ms=(2, 3, 4, 5, 6, 9, 13))
+    check_invariance(pw, 4128, rng, ms=(2, 3, 4, 5, 6, 9, 13, 30, 49, 100))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp6_e2m3"])

@@ -478,7 +478,8 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
   int gb = (8 % kHalvesFor[mb_first]) == 0 ? 4 : 3;  // whole tiles per group
   gb = gb > kAccCols / kRows ? int(kAccCols / kRows) : gb;
   const int64_t bytes_per_k = 32 * gb + 4 * a.m;
-  int64_t kc = ntiles == 1 ? a.kp : (kL1Bytes / bytes_per_k) / kKBlk * kKBlk;
+  const int64_t budget = a.m > kPrefillRows ? kL2Bytes : kL1Bytes;
+  int64_t kc = ntiles == 1 ? a.kp : (budget / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
   for (int64_t nb = nb0; nb < nb1; nb += gb) {
     const int nbn = int(nb1 - nb < gb ? nb1 - nb : gb);
@@ -533,7 +534,9 @@ void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc
   GemmArgs a = args;
   if (a.prefetch == 0) a.prefetch = a.kind == kQ4 || a.kind == kQ6 ? 4096 : 1024;
   if (a.kind == kBf16 && a.m >= 2) {
-    bf16_blocks_small_m(a, nb0, nb1, acc);
+    const int64_t chunks = (a.m + kMChunk - 1) / kMChunk;  // one unless prefill (gemm_internal.h)
+    for (int64_t i = 0; i < chunks; ++i)
+      bf16_blocks_small_m(rows_of(a, a.m * i / chunks, a.m * (i + 1) / chunks - a.m * i / chunks), nb0, nb1, acc);
     return;
   }
   if (a.kind == kQ4 && a.m >= 3) {

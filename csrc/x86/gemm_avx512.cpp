@@ -172,8 +172,16 @@ template <int MB, int NB> struct Q4T { static void run(const GemmArgs& a, int64_
 // Register budget (32 zmm): MB*NB accumulators; Q8 needs 2 int vectors per (row, block).
 void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const TileFn (*table)[kNB],
                 int mbmax, int bytes_per_k16, int nbmax) {
+  if (a.m > kMChunk) {  // prefill: chunks of rows whose K chunks stay in L2 (gemm_internal.h)
+    const int64_t chunks = (a.m + kMChunk - 1) / kMChunk;
+    for (int64_t i = 0; i < chunks; ++i)
+      run_blocks(rows_of(a, a.m * i / chunks, a.m * (i + 1) / chunks - a.m * i / chunks), nb0, nb1, acc, table,
+                 mbmax, bytes_per_k16, nbmax);
+    return;
+  }
   const int64_t bytes_per_k = int64_t(bytes_per_k16) * nbmax + 4 * a.m;
-  int64_t kc = a.m <= mbmax ? a.kp : (32768 / bytes_per_k) / kKBlk * kKBlk;
+  const int64_t budget = a.m > kPrefillRows ? kL2Bytes : 32768;
+  int64_t kc = a.m <= mbmax ? a.kp : (budget / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
   for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
     const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
