@@ -226,6 +226,20 @@ def test_row_independent_of_batch(path, shape_name, start_pos):
     _check_row_independent(path, shape_name, start_pos)
 
 
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "ref"])
+def test_prefill_rows_equal_decode_rows(path):
+    """A 300-row prefill (split into units of a few rows each, csrc/attention.cpp run_grouped)
+    gives every row the bits of that row decoded alone, across several key segments."""
+    n_heads, kv_heads, head_dim = 12, 2, 128  # Qwen2.5-1.5B: 6 query heads per KV head
+    kv = make_cache(kv_heads, head_dim)
+    m, start_pos = 300, 700
+    q = make_q(m, n_heads, head_dim, seed=3)
+    batch = _C.attention(q, kv, 1, start_pos, path=path)
+    for i in (0, 15, 16, 17, 150, 299):
+        alone = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path)
+        np.testing.assert_array_equal(bits(alone[0]), bits(batch[i]), err_msg=f"row {i}")
+
+
 @pytest.mark.slow
 def test_row_independent_of_batch_ref_llama_far():
     _check_row_independent("ref", "llama3_8b", 1000)
