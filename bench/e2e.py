@@ -273,7 +273,7 @@ def main(argv=None) -> None:
                    help="real long prompts of N tokens (standard-library source + a question) instead of "
                    "the prompt file")
     p.add_argument("--draft-kv", type=lambda s: s.split(","), default=["auto"],
-                   help="comma list of draft KV modes to compare: auto, int8, bf16 (default auto)")
+                   help="comma list of draft KV modes to compare: auto, int8, mxfp4, bf16 (default auto)")
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.context is not None and args.context < 64:

@@ -74,7 +74,7 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
 
-// As attn_row_head_ref over the INT8 draft copy: the same sequence over the dequantized values.
+// As attn_row_head_ref over the draft copy (INT8 or MXFP4): the same sequence over the dequantized values.
 void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   const int64_t hd = head_dim_of(a);
   const int64_t kvh = h / (a.n_heads / a.kv.kv_heads);
@@ -84,8 +84,9 @@ void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores
   auto value = [&](int kv_index, int64_t j, int64_t d) {
     const int64_t slot = attn_key_slot(a, i, j);
     const int64_t c = kvh * hd + d;
-    return float(a.kv.q8_row(a.layer, kv_index, slot)[c]) *
-           kv_q8_scale(a.kv.q8_scales(a.layer, kv_index, slot)[c / kQ8Block]);
+    const int8_t* row = a.kv.q8_row(a.layer, kv_index, slot);
+    const float v = a.kv.q_bits == 4 ? kv_fp4_value(uint8_t(row[c / 2]) >> (4 * (c & 1)) & 15) : float(row[c]);
+    return v * kv_q8_scale(a.kv.q8_scales(a.layer, kv_index, slot)[c / kQ8Block]);
   };
   float max_s = -INFINITY;
   for (int64_t j = 0; j <= p; ++j) {
@@ -449,13 +450,14 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
     if (qv.dtype().kind() != 'i' || qv.itemsize() != 1 || qs.dtype().kind() != 'u' || qs.itemsize() != 1 ||
         !(qv.flags() & py::array::c_style) || !(qs.flags() & py::array::c_style) || qv.ndim() != 5 ||
         qs.ndim() != 5 || a.kv.head_dim % kQ8Block != 0)
-      throw std::invalid_argument("attention: q8 must be (int8 [layers, 2, max_seq, kv_heads, head_dim], uint8 "
-                                  "[.., head_dim / 32]) with head_dim a multiple of 32");
+      throw std::invalid_argument("attention: q8 must be (int8 [layers, 2, max_seq, kv_heads, head_dim or "
+                                  "head_dim / 2], uint8 [.., head_dim / 32]) with head_dim a multiple of 32");
     for (int d = 0; d < 4; ++d)
       if (qv.shape(d) != kv_in.shape(d) || qs.shape(d) != kv_in.shape(d))
         throw std::invalid_argument("attention: q8 arrays must match the cache's shape");
-    if (qv.shape(4) != a.kv.head_dim || qs.shape(4) != a.kv.head_dim / kQ8Block)
+    if ((qv.shape(4) != a.kv.head_dim && qv.shape(4) != a.kv.head_dim / 2) || qs.shape(4) != a.kv.head_dim / kQ8Block)
       throw std::invalid_argument("attention: q8 arrays must match the cache's shape");
+    a.kv.q_bits = qv.shape(4) == a.kv.head_dim ? 8 : 4;  // int8 values or packed MXFP4 codes
     a.kv.q8 = static_cast<int8_t*>(const_cast<void*>(qv.data()));
     a.kv.q8_scale = static_cast<uint8_t*>(const_cast<void*>(qs.data()));
     a.draft_q8 = true;

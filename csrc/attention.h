@@ -21,12 +21,14 @@ struct KvCacheView {
   uint16_t* data = nullptr;
   // layers, pool rows per layer and K/V (max_seq), kv_heads, head_dim
   int64_t layers = 0, max_seq = 0, kv_heads = 0, head_dim = 0;
-  // The INT8 draft copy (csrc/kv_q8.h), or null: the same rows as int8 values
-  // [layers][2][max_seq][kv_heads][head_dim] and one E8M0 scale per kQ8Block values
-  // [layers][2][max_seq][kv_heads][head_dim / kQ8Block]. Every forward that writes a BF16 row
-  // also writes its INT8 copy; only MX draft passes read it (AttnArgs::draft_q8).
+  // The draft copy (csrc/kv_q8.h), or null: the same rows as int8 values (q_bits 8) or packed
+  // MXFP4 codes (q_bits 4), [layers][2][max_seq][kv_heads][head_dim · q_bits / 8] bytes, and one
+  // E8M0 scale per kQ8Block values [layers][2][max_seq][kv_heads][head_dim / kQ8Block]. Every
+  // forward that writes a BF16 row also writes its copy; only MX draft passes read it
+  // (AttnArgs::draft_q8).
   int8_t* q8 = nullptr;
   uint8_t* q8_scale = nullptr;
+  int q_bits = 8;
   // Paged cache (qspec/kv_cache.py): the pool's rows are pages of page_size rows (a multiple of
   // 8), and the sequence's position p sits in pool row pages[p / page_size] · page_size +
   // p % page_size. Null: position p is pool row p (one contiguous sequence). Every accessor
@@ -48,9 +50,9 @@ struct KvCacheView {
   uint16_t* v(int64_t layer, int64_t pos) const {
     return data + ((layer * 2 + 1) * max_seq + slot(pos)) * row_elems();
   }
-  // kv_index 0 = K, 1 = V
+  // kv_index 0 = K, 1 = V; the row's first byte (q_bits 4: value 2i in the low nibble of byte i)
   int8_t* q8_row(int64_t layer, int kv_index, int64_t pos) const {
-    return q8 + ((layer * 2 + kv_index) * max_seq + slot(pos)) * row_elems();
+    return q8 + ((layer * 2 + kv_index) * max_seq + slot(pos)) * row_elems() * q_bits / 8;
   }
   uint8_t* q8_scales(int64_t layer, int kv_index, int64_t pos) const {
     return q8_scale + ((layer * 2 + kv_index) * max_seq + slot(pos)) * (row_elems() / kQ8Block);

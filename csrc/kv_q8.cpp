@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "mx.h"
 
 namespace qspec {
 
@@ -49,6 +50,18 @@ void kv_q8_quantize(const uint16_t* bf16, int64_t n, int8_t* q, uint8_t* scale) 
   }
 }
 
+void kv_fp4_quantize(const uint16_t* bf16, int64_t n, uint8_t* packed, uint8_t* scale) {
+  constexpr int64_t kChunk = 8 * kQ8Block;
+  for (int64_t b = 0; b < n; b += kChunk) {
+    const int64_t c = n - b < kChunk ? n - b : kChunk;
+    float x[kChunk];
+    uint8_t codes[kChunk];
+    for (int64_t i = 0; i < c; ++i) x[i] = bf16_value(bf16[b + i]);
+    mx_quantize_row(WFormat::mxfp4, x, c, codes, scale + b / kQ8Block);
+    for (int64_t i = 0; i < c; i += 2) packed[(b + i) / 2] = uint8_t(codes[i] | codes[i + 1] << 4);
+  }
+}
+
 namespace py = pybind11;
 
 void bind_kv_q8(py::module_& m) {
@@ -67,6 +80,23 @@ void bind_kv_q8(py::module_& m) {
   }, py::arg("bf16"),
      "INT8 draft copy of BF16 bits [..., n] (n a multiple of 32): (int8 values, E8M0 scale bytes "
      "[..., n / 32]); value = q * 2^(scale - 127)");
+  m.def("kv_fp4_quantize", [](py::array_t<uint16_t, py::array::c_style> x) {
+    const int64_t n = x.ndim() ? x.shape(x.ndim() - 1) : 0;
+    if (x.ndim() < 1 || n % kQ8Block != 0)
+      throw std::invalid_argument("kv_fp4_quantize: the last dimension must be a multiple of 32");
+    std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim());
+    shape.back() = n / 2;
+    py::array_t<int8_t> q(shape);
+    shape.back() = n / kQ8Block;
+    py::array_t<uint8_t> e(shape);
+    const int64_t rows = n ? x.size() / n : 0;
+    for (int64_t r = 0; r < rows; ++r)
+      kv_fp4_quantize(x.data() + r * n, n, reinterpret_cast<uint8_t*>(q.mutable_data()) + r * (n / 2),
+                      e.mutable_data() + r * (n / kQ8Block));
+    return std::make_pair(q, e);
+  }, py::arg("bf16"),
+     "MXFP4 draft copy of BF16 bits [..., n] (n a multiple of 32): (packed E2M1 codes [..., n / 2] as int8 "
+     "bytes, element 2i in the low nibble of byte i; E8M0 scale bytes [..., n / 32])");
 }
 
 }  // namespace qspec

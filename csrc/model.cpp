@@ -350,9 +350,15 @@ class Model {
           kd[i] = f32_to_bf16(row[q_n + i]);
           vd[i] = f32_to_bf16(row[q_n + kv_n + i]);
         }
-        if (kv.q8) {  // the INT8 draft copy of the rows just written
-          kv_q8_quantize(kd, kv_n, kv.q8_row(l, 0, pos), kv.q8_scales(l, 0, pos));
-          kv_q8_quantize(vd, kv_n, kv.q8_row(l, 1, pos), kv.q8_scales(l, 1, pos));
+        if (kv.q8) {  // the draft copy of the rows just written
+          for (int kv_index = 0; kv_index < 2; ++kv_index) {
+            const uint16_t* src = kv_index ? vd : kd;
+            if (kv.q_bits == 4)
+              kv_fp4_quantize(src, kv_n, reinterpret_cast<uint8_t*>(kv.q8_row(l, kv_index, pos)),
+                              kv.q8_scales(l, kv_index, pos));
+            else
+              kv_q8_quantize(src, kv_n, kv.q8_row(l, kv_index, pos), kv.q8_scales(l, kv_index, pos));
+          }
         }
       });
       lap(prof_.rowwise);
@@ -546,15 +552,18 @@ void bind_model(py::module_& m) {
             pool.max_seq = kv.shape(2);
             pool.kv_heads = kv.shape(3);
             pool.head_dim = kv.shape(4);
-            if (kv_q8) {  // the INT8 draft copy: [layers, 2, pool rows, kv_heads, head_dim (/ 32)]
+            if (kv_q8) {  // the draft copy: [layers, 2, pool rows, kv_heads, head_dim (int8) | head_dim / 2
+                          // (MXFP4 bytes) | head_dim / 32 (scales)]
               auto& [qv, qs] = *kv_q8;
               bool ok = qv.ndim() == 5 && qs.ndim() == 5 && self.head_dim() % kQ8Block == 0 &&
-                        qv.shape(4) == kv.shape(4) && qs.shape(4) == kv.shape(4) / kQ8Block;
+                        (qv.shape(4) == kv.shape(4) || qv.shape(4) == kv.shape(4) / 2) &&
+                        qs.shape(4) == kv.shape(4) / kQ8Block;
               for (int d = 0; ok && d < 4; ++d) ok = qv.shape(d) == kv.shape(d) && qs.shape(d) == kv.shape(d);
-              if (!ok) throw std::invalid_argument("kv_q8 must be (int8 [layers, 2, pool rows, kv_heads, head_dim], "
-                                                   "uint8 [.., head_dim / 32]) matching kv");
+              if (!ok) throw std::invalid_argument("kv_q8 must be (int8 [layers, 2, pool rows, kv_heads, head_dim or "
+                                                   "head_dim / 2], uint8 [.., head_dim / 32]) matching kv");
               pool.q8 = qv.mutable_data();
               pool.q8_scale = qs.mutable_data();
+              pool.q_bits = qv.shape(4) == kv.shape(4) ? 8 : 4;
             }
             if (seqs.empty()) throw std::invalid_argument("forward needs at least one sequence");
             // per sequence: (m, start_pos, pages or None, all_logits, tree or None, draft_q8)

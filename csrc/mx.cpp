@@ -117,28 +117,29 @@ inline uint8_t cast_block(const MxCastConsts& p, const uint32_t* vbits, uint8_t*
   return uint8_t(shared_exp + kE8M0Bias);
 }
 
+void cast_row(const MxCastConsts& p, const float* x, int64_t k, uint8_t* codes, uint8_t* scales) {
+  if (int(isa_selected()) >= int(Isa::avx2)) return mx_quantize_row_avx2(x, k, codes, scales, p);
+  for (int64_t b = 0; b * kMxBlock < k; ++b) {
+    uint32_t vbits[kMxBlock] = {0};  // padding elements are +0
+    const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);
+    std::memcpy(vbits, x + b * kMxBlock, size_t(n) * sizeof(float));
+    scales[b] = cast_block(p, vbits, codes + b * kMxBlock);
+  }
+}
+
 }  // namespace
+
+void mx_quantize_row(WFormat f, const float* x, int64_t k, uint8_t* codes, uint8_t* scales) {
+  cast_row(cast_consts(f), x, k, codes, scales);
+}
 
 void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,
                       uint8_t* scales) {
   const MxCastConsts p = cast_consts(f);
   const int64_t nblocks = (k + kMxBlock - 1) / kMxBlock;
   const int64_t kpad = nblocks * kMxBlock;
-  const bool avx2 = int(isa_selected()) >= int(Isa::avx2);
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * k;
-    if (avx2) {
-      mx_quantize_row_avx2(xr, k, codes + r * kpad, scales + r * nblocks, p);
-      continue;
-    }
-    for (int64_t b = 0; b < nblocks; ++b) {
-      uint32_t vbits[kMxBlock] = {0};  // padding elements are +0
-      const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);
-      std::memcpy(vbits, xr + b * kMxBlock, size_t(n) * sizeof(float));
-      scales[r * nblocks + b] = cast_block(p, vbits, codes + r * kpad + b * kMxBlock);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) cast_row(p, x + r * k, k, codes + r * kpad, scales + r * nblocks);
 }
 
 void mx_dequantize_rows(WFormat f, const uint8_t* codes, const uint8_t* scales, int64_t rows,

@@ -104,6 +104,9 @@ struct MxCastConsts {
 void mx_quantize_row_avx2(const float* x, int64_t k, uint8_t* codes, uint8_t* scales,
                           const MxCastConsts& c);
 
+// One row of the MX direct cast (k values, codes [kpad], scales [kpad / 32]), on the calling thread.
+void mx_quantize_row(WFormat f, const float* x, int64_t k, uint8_t* codes, uint8_t* scales);
+
 // MX direct cast of fp32 rows x[rows, k] along k (csrc/mx.cpp): codes [rows, kpad] one canonical
 // code per byte, scales [rows, kpad/32] E8M0, kpad = ceil(k/32)*32. Throws for bf16.
 void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,

@@ -351,7 +351,7 @@ class Engine:
         from .memory import describe
 
         return describe(self.cfg, self.ctx_size if tokens is None else tokens,
-                        getattr(self.backend.kv, "q8", None) is not None)
+                        getattr(getattr(self.backend, "pool", None), "draft_copy", None))
 
     def _prefill(self, be: SeqBackend, seq, ids: list[int], capacity: int, stats: dict[str, float]) -> np.ndarray:
         """Fill the sequence's cache with the prompt's rows; the logits of its last position.
@@ -470,10 +470,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     `ctx_size`: tokens of context (prompt + new tokens) per generation, at most the model's
     (default: the model's); the KV cache is allocated for it at load, after checking that it fits in
     the available memory (`qspec.ContextMemoryError` otherwise, before any weight is read).
-    `draft_kv`: what the MX draft levels attend over: "int8" = an INT8 copy of the KV cache (one
-    E8M0 scale per 32 values, written with every BF16 row; the target still reads BF16, so the
-    output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the copy, read from
-    qspec.native.DRAFT_KV_AUTO_MIN positions on.
+    `draft_kv`: what the MX draft levels attend over: "int8" / "mxfp4" = an INT8 / MXFP4 copy of
+    the KV cache (one E8M0 scale per 32 values, written with every BF16 row; the target still reads
+    BF16, so the output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the
+    qspec.native.DRAFT_KV_AUTO_FORMAT copy, read from qspec.native.DRAFT_KV_AUTO_MIN positions on.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.
@@ -489,7 +489,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
             sys.modules["torch"].set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
-    from .native import DRAFT_KV_MODES, has_draft_copy
+    from .native import DRAFT_KV_MODES, draft_copy_format
 
     if draft_kv not in DRAFT_KV_MODES:
         raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
@@ -512,7 +512,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         plan = _prepare(model, draft, draft_file, draft_lm_head, draft_levels, chain, backend)
         if ctx_size is not None:  # before any weight is read or any row allocated
             check_ctx_size(ctx_size, plan.cfg)
-            copy = backend == "native" and has_draft_copy(plan.cfg, draft_kv, plan.spec)
+            copy = draft_copy_format(plan.cfg, draft_kv, plan.spec) if backend == "native" else None
             check_fits(cache_bytes(plan.cfg, ctx_size, copy) // world,
                        f"a KV cache of {ctx_size} tokens" + (f" (per rank of {world})" if world > 1 else ""))
         return plan

@@ -6,8 +6,8 @@ float32 for the torch reference), and a sequence's position p lives in pool row
 pages[p // PAGE_SIZE] · PAGE_SIZE + p % PAGE_SIZE (csrc/attention.h, KvCacheView). Target and MX
 drafts share a sequence's pages (docs/architecture.md): the committed prefix is target-written,
 draft passes write provisional rows after it, verify overwrites them; rejection = moving `length`
-back. With `draft_copy`, an INT8 copy of every row (csrc/kv_q8.h) sits beside the pool in the same
-layout; every native pass writes it with the BF16 row.
+back. With `draft_copy` ("int8" or "mxfp4"), a compact copy of every row (csrc/kv_q8.h) sits beside
+the pool in the same layout; every native pass writes it with the BF16 row.
 
 Prefix cache: a sequence records which token ids its leading rows hold as target rows (a row
 depends only on the ids up to it, at one kernel path), and publishes its pages in the pool's
@@ -31,7 +31,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextMemoryError
-from .memory import Q8_BLOCK, check_fits
+from .memory import DRAFT_COPY_BITS, Q8_BLOCK, check_fits
 
 PAGE_SIZE = 16  # positions per page: a multiple of 8 (the kernels' key blocks never straddle pages)
 
@@ -51,12 +51,15 @@ class KVPool:
     `lock` guards every change of pages and every pass over the pool (qspec/batch.py holds it while
     a batched forward runs, so no page moves under a running pass)."""
 
-    def __init__(self, cfg: ModelConfig, dtype=np.uint16, draft_copy: bool = False,
+    def __init__(self, cfg: ModelConfig, dtype=np.uint16, draft_copy: str | None = None,
                  max_pages: int | None = None, page_size: int = PAGE_SIZE):
         if page_size <= 0 or page_size % 8:
             raise ValueError(f"page_size must be a positive multiple of 8, got {page_size}")
+        if draft_copy not in (None, *DRAFT_COPY_BITS):
+            raise ValueError(f"draft_copy must be None or one of {', '.join(DRAFT_COPY_BITS)}, got {draft_copy!r}")
         if draft_copy and (np.dtype(dtype) != np.uint16 or cfg.head_dim % Q8_BLOCK):
-            raise ValueError(f"the INT8 draft copy needs BF16 rows and head_dim a multiple of {Q8_BLOCK}")
+            raise ValueError(f"the draft copy needs BF16 rows and head_dim a multiple of {Q8_BLOCK}")
+        self.draft_copy = draft_copy
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
         self.page_size = page_size
@@ -64,7 +67,7 @@ class KVPool:
         self.lock = threading.RLock()
         shape = (cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim)
         self.data = np.empty(shape, dtype=self.dtype)
-        self.q8 = (np.empty(shape, dtype=np.int8),
+        self.q8 = (np.empty((*shape[:4], cfg.head_dim * DRAFT_COPY_BITS[draft_copy] // 8), dtype=np.int8),
                    np.empty((*shape[:4], cfg.head_dim // Q8_BLOCK), dtype=np.uint8)) if draft_copy else None
         self.refs = np.zeros(0, dtype=np.int32)  # sequences holding each page
         self._free: list[int] = []               # pages nobody holds and the index does not list
@@ -81,10 +84,8 @@ class KVPool:
 
     @property
     def bytes_per_position(self) -> int:
-        """Bytes of one position (every layer, K and V, and its INT8 copy)."""
-        shape = self.data.shape
-        n = int(np.prod(shape[:2]) * np.prod(shape[3:]))
-        return n * self.dtype.itemsize + (n + n // Q8_BLOCK if self.q8 is not None else 0)
+        """Bytes of one position (every layer, K and V, and its draft copy)."""
+        return sum(int(np.prod(a.shape[:2]) * np.prod(a.shape[3:])) * a.itemsize for a in (self.data, *(self.q8 or ())))
 
     def free_pages(self) -> int:
         """Pages a sequence could get now without growing the pool (free + idle indexed ones)."""
@@ -163,7 +164,7 @@ class KVPool:
         self._free.extend(range(new - 1, old - 1, -1))  # pop() takes the lowest first
 
     def copy_rows(self, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
-        """Pool rows src -> dst, every layer, K and V and the INT8 copy."""
+        """Pool rows src -> dst, every layer, K and V and the draft copy."""
         for a in (self.data,) + (self.q8 or ()):
             a[:, :, dst_rows] = a[:, :, src_rows]
 

@@ -1,15 +1,16 @@
 """Memory of the KV cache for a context size, and the check that it fits before it is allocated.
 
 The BF16 cache holds layers x 2 (K, V) x kv_heads x head_dim values of 2 bytes per position; the
-INT8 draft copy (qspec/kv_cache.py, draft_kv="int8") 1 byte per value plus one E8M0 scale byte per
-32 values."""
+draft copy (qspec/kv_cache.py, csrc/kv_q8.h) 1 byte ("int8") or half a byte ("mxfp4") per value
+plus one E8M0 scale byte per 32 values."""
 
 from __future__ import annotations
 
 from .config import ModelConfig
 from .errors import ContextMemoryError
 
-Q8_BLOCK = 32  # values per E8M0 scale of the INT8 draft copy (csrc/kv_q8.h)
+Q8_BLOCK = 32  # values per E8M0 scale of the draft copy (csrc/kv_q8.h)
+DRAFT_COPY_BITS = {"int8": 8, "mxfp4": 4}  # bits per value of each draft copy
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
@@ -17,10 +18,10 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
     return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
 
 
-def draft_kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """Bytes of one position of the INT8 draft copy: int8 values + one scale byte per Q8_BLOCK."""
+def draft_kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> int:
+    """Bytes of one position of the draft copy `fmt`: its values + one scale byte per Q8_BLOCK."""
     values = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim
-    return values + values // Q8_BLOCK
+    return values * DRAFT_COPY_BITS[fmt] // 8 + values // Q8_BLOCK
 
 
 def available_bytes() -> int | None:
@@ -55,17 +56,17 @@ def check_fits(needed: int, what: str) -> None:
                                  f"({human(avail)}) of memory are available; use a smaller --ctx-size")
 
 
-def cache_bytes(cfg: ModelConfig, tokens: int, draft_copy: bool) -> int:
-    """Bytes of a cache of `tokens` positions (with the INT8 draft copy or not)."""
-    return tokens * (kv_bytes_per_token(cfg) + (draft_kv_bytes_per_token(cfg) if draft_copy else 0))
+def cache_bytes(cfg: ModelConfig, tokens: int, draft_copy: str | None) -> int:
+    """Bytes of a cache of `tokens` positions (with the draft copy `draft_copy`, or none)."""
+    return tokens * (kv_bytes_per_token(cfg) + (draft_kv_bytes_per_token(cfg, draft_copy) if draft_copy else 0))
 
 
-def describe(cfg: ModelConfig, tokens: int, draft_copy: bool) -> str:
+def describe(cfg: ModelConfig, tokens: int, draft_copy: str | None) -> str:
     """One line: the cache's memory at `tokens` positions, and the memory available."""
     bf16 = tokens * kv_bytes_per_token(cfg)
     line = f"KV cache for {tokens} tokens: {human(bf16)} BF16"
     if draft_copy:
-        q8 = tokens * draft_kv_bytes_per_token(cfg)
-        line += f" + {human(q8)} INT8 draft copy ({100 * q8 / bf16:.0f}% of the BF16 cache)"
+        copy = tokens * draft_kv_bytes_per_token(cfg, draft_copy)
+        line += f" + {human(copy)} {draft_copy.upper()} draft copy ({100 * copy / bf16:.0f}% of the BF16 cache)"
     avail = available_bytes()
     return line + (f"; {human(avail)} available" if avail is not None else "")

@@ -24,19 +24,23 @@ from .rope import rope_tables
 
 TARGET, DRAFT = 0, 1
 
-# The MX drafts' KV (qspec/kv_cache.py): "int8" = they read the INT8 draft copy, "bf16" = the BF16
-# rows (no copy kept), "auto" = the copy is kept and read by draft passes from DRAFT_KV_AUTO_MIN
-# positions on, where reading fewer bytes pays (README, "Long prompts": measured on SmolLM2-135M).
-DRAFT_KV_MODES = ("auto", "int8", "bf16")
+# The MX drafts' KV (qspec/kv_cache.py): "int8" / "mxfp4" = they read that copy of the cache,
+# "bf16" = the BF16 rows (no copy kept), "auto" = the DRAFT_KV_AUTO_FORMAT copy is kept and read by
+# draft passes from DRAFT_KV_AUTO_MIN positions on, where reading fewer bytes pays (README, "Long
+# prompts").
+DRAFT_KV_MODES = ("auto", "int8", "mxfp4", "bf16")
+DRAFT_KV_AUTO_FORMAT = "int8"
 DRAFT_KV_AUTO_MIN = 1024
 
 
-def has_draft_copy(cfg: ModelConfig, draft_kv: str, draft) -> bool:
-    """Whether the KV cache keeps the INT8 draft copy: a draft, draft_kv not "bf16", and head_dim
-    a multiple of 32 (else the drafts read the BF16 rows)."""
+def draft_copy_format(cfg: ModelConfig, draft_kv: str, draft) -> str | None:
+    """The draft copy the KV cache keeps ("int8", "mxfp4"), or None: none without a draft, for
+    draft_kv "bf16", or with head_dim not a multiple of 32 (then the drafts read the BF16 rows)."""
     if draft_kv not in DRAFT_KV_MODES:
         raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
-    return draft is not None and draft_kv != "bf16" and cfg.head_dim % 32 == 0
+    if draft is None or draft_kv == "bf16" or cfg.head_dim % 32:
+        return None
+    return DRAFT_KV_AUTO_FORMAT if draft_kv == "auto" else draft_kv
 
 
 def check_tree(tree, start_pos: int, m: int) -> np.ndarray:
@@ -241,7 +245,7 @@ class NativeBackend:
         local = shard.local_config(cfg)
         self.draft_kv = draft_kv
         # this rank's KV heads: the pool of every sequence, and the one direct forward() calls use
-        self.pool = KVPool(local, draft_copy=has_draft_copy(cfg, draft_kv, draft))
+        self.pool = KVPool(local, draft_copy=draft_copy_format(cfg, draft_kv, draft))
         self.kv = KVCache(self.pool)
         self.load_info: dict = {}
         if target_packed is None:
@@ -370,7 +374,7 @@ class NativeBackend:
         return res
 
     def reads_draft_copy(self, draft: bool | int, start_pos: int) -> bool:
-        """Whether a pass of weight set `draft` from `start_pos` attends over the INT8 draft copy."""
-        if not draft or self.pool.q8 is None or self.draft_kv == "bf16":
+        """Whether a pass of weight set `draft` from `start_pos` attends over the draft copy."""
+        if not draft or self.pool.q8 is None:
             return False
-        return self.draft_kv == "int8" or start_pos >= DRAFT_KV_AUTO_MIN
+        return self.draft_kv != "auto" or start_pos >= DRAFT_KV_AUTO_MIN

@@ -97,7 +97,7 @@ def test_chunked_prefill_and_preemption_keep_the_output(default_model_dir):
     eng = qspec.load(default_model_dir, draft="mxfp4")
     ps = prompts(eng, 6)
     want = [eng.generate(p, max_new_tokens=N_NEW).tokens for p in ps]
-    pool = KVPool(eng.backend.pool.cfg, draft_copy=eng.backend.pool.q8 is not None, max_pages=12)
+    pool = KVPool(eng.backend.pool.cfg, draft_copy=eng.backend.pool.draft_copy, max_pages=12)
     eng.backend.pool = pool
     eng.batcher = Batcher(eng.backend, max_seqs=6, min_free_pages=0)
     got = eng.generate_batch(ps, max_new_tokens=N_NEW)

@@ -30,8 +30,9 @@ def test_bytes_per_token_of_the_1_5b():
     # the figure: 28 layers x 2 KV heads x 128 x 2 (K, V) x 2 bytes = 28 KiB per token
     cfg = synthetic_config("smollm2-135m", n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128)
     assert kv_bytes_per_token(cfg) == 28 * 1024
-    assert draft_kv_bytes_per_token(cfg) == 14 * 1024 + 14 * 1024 // 32
-    assert cache_bytes(cfg, 8192, True) == 8192 * (28 * 1024 + 14 * 1024 * 33 // 32)
+    assert draft_kv_bytes_per_token(cfg, "int8") == 14 * 1024 + 14 * 1024 // 32
+    assert draft_kv_bytes_per_token(cfg, "mxfp4") == 14 * 1024 // 2 + 14 * 1024 // 32  # 26.6% of BF16
+    assert cache_bytes(cfg, 8192, "int8") == 8192 * (28 * 1024 + 14 * 1024 * 33 // 32)
 
 
 def test_ctx_size_sizes_the_cache_and_limits_prompts(tiny):
@@ -58,7 +59,7 @@ def test_memory_checked_before_any_weight_is_read(tiny, monkeypatch):
     with pytest.raises(ContextMemoryError) as e:
         qspec.load(tiny, ctx_size=HUGE)
     # the BF16 cache and the INT8 draft copy of the default draft (draft_kv="auto")
-    need = str(cache_bytes(qspec.config.ModelConfig.from_file(tiny / "config.json"), HUGE, True))
+    need = str(cache_bytes(qspec.config.ModelConfig.from_file(tiny / "config.json"), HUGE, "int8"))
     assert need in str(e.value) and "available" in str(e.value)
 
 

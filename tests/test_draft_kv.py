@@ -1,6 +1,8 @@
-"""The INT8 draft copy of the KV cache (csrc/kv_q8.h, csrc/x86/attention_q8_impl.h, qspec/kv_cache.py).
+"""The draft copies of the KV cache, INT8 and MXFP4 (csrc/kv_q8.h, csrc/x86/attention_q8_impl.h,
+qspec/kv_cache.py).
 
-- The quantizer equals an independent numpy implementation of its rule, bit for bit.
+- The INT8 quantizer equals an independent numpy implementation of its rule, bit for bit; the MXFP4
+  one equals the MX direct cast of qspec/mx.py's reference, packed two codes a byte.
 - Attention over the copy, on every path this build can run (ref, avx2, avx512 under the
   ISA-emulation build), against a float64 computation over the dequantized values.
 - Batch invariance (row i bit-identical for any m, thread count) and tree rows == linear rows.
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 import qspec
+import qspec.mx
 from running import running
 from qspec import _C
 from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
@@ -23,6 +26,9 @@ ISA_LEVELS = _C.cpu_info()["isa_levels"]
 TOL_F32_VS_F64 = dict(rtol=1e-4, atol=3e-5)
 # dequantization error of one value: half a step, 2^s / 2 <= max|block| / 127
 Q8_REL_STEP = 1 / 127
+FORMATS = ["int8", "mxfp4"]
+QUANTIZE = {"int8": _C.kv_q8_quantize, "mxfp4": _C.kv_fp4_quantize}
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
 def bf16(x):
@@ -49,7 +55,13 @@ def quantize_np(bits):
 
 
 def dequant(q, e):
-    return q.astype(np.float64) * np.exp2(np.repeat(e.astype(np.float64) - 127, 32, axis=-1))
+    """Values of a copy: int8 values, or packed E2M1 codes (last dimension half the values')."""
+    if q.shape[-1] == e.shape[-1] * 16:  # MXFP4: element 2i in the low nibble of byte i
+        b = q.view(np.uint8)
+        vals = E2M1[np.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)]
+    else:
+        vals = q.astype(np.float64)
+    return vals * np.exp2(np.repeat(e.astype(np.float64) - 127, 32, axis=-1))
 
 
 def test_quantizer_matches_its_rule():
@@ -69,10 +81,27 @@ def test_quantizer_matches_its_rule():
     assert (err <= np.abs(f32(bits)).reshape(-1, 32).max(axis=1, keepdims=True) * Q8_REL_STEP).all()
 
 
-def make_cache(max_seq, kv_heads, head_dim, seed=0):
+def test_fp4_quantizer_is_the_mx_cast():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 128)) * np.exp2(rng.integers(-20, 20, (64, 1)))
+    x[3] = 0.0
+    x[4, :32] = 6.0  # floor(log2 6) - 2 = 0: scale 2^0, every code 6.0 (0x7)
+    bits = bf16(x)
+    q, e = _C.kv_fp4_quantize(bits)
+    assert q.shape == (64, 64) and e.shape == (64, 4)
+    assert e[4, 0] == 127 and (q[4, :16].view(np.uint8) == 0x77).all() and not q[3].any()
+    ref = qspec.mx.quantize(torch.from_numpy(f32(bits)), "mxfp4", impl="reference")
+    codes = ref.codes.numpy()
+    np.testing.assert_array_equal(q.view(np.uint8), (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8))
+    np.testing.assert_array_equal(e, ref.scales.numpy())
+    np.testing.assert_array_equal(dequant(q, e), qspec.mx.dequantize(ref, impl="reference").numpy())
+
+
+def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8"):
     rng = np.random.default_rng(seed)
     kv = bf16(rng.standard_normal((2, 2, max_seq, kv_heads, head_dim)) * 1.5)
-    return kv, _C.kv_q8_quantize(kv)
+    return kv, QUANTIZE[fmt](kv)
 
 
 def attention_f64(q, vals, layer, start_pos):
@@ -90,12 +119,13 @@ def attention_f64(q, vals, layer, start_pos):
     return out
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 96)])
 @pytest.mark.parametrize("start_pos,m", [(0, 1), (37, 5), (255, 2), (700, 17), (1300, 1)])
-def test_kernel_against_f64(path, shape, start_pos, m):
+def test_kernel_against_f64(path, shape, start_pos, m, fmt):
     n_heads, kv_heads, hd = shape
-    kv, q8 = make_cache(start_pos + m + 3, kv_heads, hd)
+    kv, q8 = make_cache(start_pos + m + 3, kv_heads, hd, fmt=fmt)
     q = np.random.default_rng(1).standard_normal((m, n_heads, hd)).astype(np.float32)
     got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8)
     np.testing.assert_allclose(got, attention_f64(q, dequant(*q8), 1, start_pos), **TOL_F32_VS_F64)
@@ -103,9 +133,10 @@ def test_kernel_against_f64(path, shape, start_pos, m):
     assert not np.array_equal(got, bf)  # it reads the copy, not the BF16 rows
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
-def test_kernel_batch_invariant_and_deterministic(path):
-    kv, q8 = make_cache(700, 3, 64, seed=2)
+def test_kernel_batch_invariant_and_deterministic(path, fmt):
+    kv, q8 = make_cache(700, 3, 64, seed=2, fmt=fmt)
     q = np.random.default_rng(3).standard_normal((33, 9, 64)).astype(np.float32)
     start = 600
     whole = _C.attention(q, kv, 0, start, path=path, q8=q8)
@@ -124,13 +155,14 @@ def test_kernel_batch_invariant_and_deterministic(path):
     np.testing.assert_array_equal(_C.attention(q, kv, 0, start, path=path, q8=q8), whole)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("prefix", [5, 263])
-def test_tree_rows_equal_linear_path(path, prefix):
+def test_tree_rows_equal_linear_path(path, prefix, fmt):
     rng = np.random.default_rng(4)
     parents = [-1, prefix, prefix, prefix + 1, prefix + 3, prefix + 2]
     m = len(parents)
-    kv, q8 = make_cache(prefix + m + 8, 2, 64, seed=5)
+    kv, q8 = make_cache(prefix + m + 8, 2, 64, seed=5, fmt=fmt)
     q = rng.standard_normal((m, 4, 64)).astype(np.float32)
     got = _C.attention(q, kv, 0, prefix, path=path, tree=(prefix, parents), q8=q8)
     for i in range(m):
@@ -166,7 +198,7 @@ def model_dir(tmp_path_factory):
 
 def copy_matches(kv, n):
     rows = kv.rows(0, n)  # the pool rows of the sequence's positions 0..n-1
-    q, e = _C.kv_q8_quantize(np.ascontiguousarray(kv.data[:, :, rows]))
+    q, e = QUANTIZE[kv.pool.draft_copy](np.ascontiguousarray(kv.data[:, :, rows]))
     return np.array_equal(q, kv.q8[0][:, :, rows]) and np.array_equal(e, kv.q8[1][:, :, rows])
 
 
@@ -176,14 +208,18 @@ def test_memory_figure(model_dir):
     bf16_bytes = 2 * 2 * 2 * 32 * 2  # layers x (K, V) x kv_heads x head_dim x 2 bytes
     assert kv.bytes_per_position == bf16_bytes * (1 + 33 / 64)  # the copy: 51.6% of the BF16 cache
     assert "INT8 draft copy (52% of the BF16 cache)" in eng.memory(1000)
+    eng = qspec.load(model_dir, draft="mxfp4", draft_kv="mxfp4")
+    assert eng.backend.kv.bytes_per_position == bf16_bytes * (1 + 17 / 64)  # 26.6%
+    assert "MXFP4 draft copy (27% of the BF16 cache)" in eng.memory(1000)
     assert qspec.load(model_dir, draft="mxfp4", draft_kv="bf16").backend.kv.q8 is None
     assert qspec.load(model_dir, draft=None).backend.kv.q8 is None
     with pytest.raises(ValueError, match="draft_kv"):
         qspec.load(model_dir, draft_kv="int4")
 
 
-def test_drafts_read_the_copy_target_does_not(model_dir):
-    a = qspec.load(model_dir, draft="mxfp4", draft_kv="int8").backend
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_drafts_read_the_copy_target_does_not(model_dir, fmt):
+    a = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt).backend
     b = qspec.load(model_dir, draft="mxfp4", draft_kv="bf16").backend
     ids = np.random.default_rng(6).integers(0, 64, 300).tolist()
     for be in (a, b):
@@ -193,14 +229,15 @@ def test_drafts_read_the_copy_target_does_not(model_dir):
     assert copy_matches(a.kv, 300)
     da, db = a.forward(ids[-4:], 296, draft=True, all_logits=True), b.forward(ids[-4:], 296, draft=True, all_logits=True)
     assert not np.array_equal(da, db)
-    assert np.abs(da - db).max() < 0.05 * np.abs(db).max()  # INT8 K/V: a small change of the draft
+    assert np.abs(da - db).max() < (0.05 if fmt == "int8" else 0.25) * np.abs(db).max()  # a small change of the draft
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("isa", ISA_LEVELS[1:])  # the scalar level: tests/test_draft_kv.py kernels only
-def test_greedy_speculative_equals_plain_at_every_context(model_dir, isa):
+def test_greedy_speculative_equals_plain_at_every_context(model_dir, isa, fmt):
     _C.set_isa_limit(isa)
     try:
-        eng = qspec.load(model_dir, draft="mxfp4", draft_kv="int8")
+        eng = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt)
         rng = np.random.default_rng(7)
         for n_ctx in (20, 300, 1100):
             ids = rng.integers(0, 64, n_ctx).tolist()

@@ -23,6 +23,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "attention.h"
 #include "vec_avx2.h"
@@ -73,14 +74,33 @@ inline int64_t q8_round8(int64_t x) { return (x + 7) & ~int64_t(7); }
 
 // Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
 // K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
+// 8 E2M1 codes (4 bytes, element 2i in the low nibble of byte i) -> 8 FP32 values (exact).
+inline __m256 fp4x8(const int8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  const __m256i c = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), c);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+  return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+
 template <class T>
 void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64_t j0, int64_t nk,
                 int64_t nfill, float* dst) {
   const int64_t hd = a.kv.head_dim;
   for (int64_t t = 0; t < nk; ++t) {
     const int64_t slot = attn_key_slot(a, row, j0 + t);
-    const int8_t* q = a.kv.q8_row(a.layer, kv_index, slot) + kvh * hd;
     const uint8_t* e = a.kv.q8_scales(a.layer, kv_index, slot) + kvh * (hd / kQ8Block);
+    if (a.kv.q_bits == 4) {
+      const int8_t* q = a.kv.q8_row(a.layer, kv_index, slot) + kvh * hd / 2;
+      for (int64_t b = 0; b < hd; b += kQ8Block) {
+        const __m256 s = _mm256_set1_ps(kv_q8_scale(e[b / kQ8Block]));
+        for (int64_t c = 0; c < kQ8Block; c += 8)
+          _mm256_storeu_ps(dst + t * hd + b + c, _mm256_mul_ps(fp4x8(q + (b + c) / 2), s));
+      }
+      continue;
+    }
+    const int8_t* q = a.kv.q8_row(a.layer, kv_index, slot) + kvh * hd;
     for (int64_t b = 0; b < hd; b += kQ8Block) {
       const typename T::V s = T::set1(kv_q8_scale(e[b / kQ8Block]));
       for (int64_t c = 0; c < kQ8Block; c += T::W) T::store(dst + t * hd + b + c, T::mul(T::i8(q + b + c), s));

@@ -42,7 +42,7 @@ class TPBackend:
     def __init__(self, local: NativeBackend, comm: Comm):
         self.local, self.comm = local, comm
         self.cfg = local.cfg
-        pool = MirroredKVPool(local.pool.cfg, draft_copy=local.pool.q8 is not None)
+        pool = MirroredKVPool(local.pool.cfg, draft_copy=local.pool.draft_copy)
         pool.comm = comm
         local.pool = self.pool = pool
         local.kv = self.kv = KVCache(pool)
