@@ -1,7 +1,8 @@
 """Prefill: time to first token and prompt tokens/s of long prompts, against the CPU's compute peak,
 torch's own BF16 GEMM and llama.cpp:
 `qspec bench prefill [--model NAME|DIR] [--lengths 512,2048,8192] [--reps N] [--threads N] [--quick]
-[--json PATH]` (or `python -m bench.prefill ...` from a development install).
+[--peer-server LLAMA_SERVER --peer-gguf GGUF] [--json PATH]` (or `python -m bench.prefill ...` from a
+development install).
 
 Per prompt length L (real text: a standard-library source file and a question, bench/long_prompts.py;
 --quick: 128 and 512 tokens, one repetition), the median over --reps runs of:
@@ -18,9 +19,12 @@ Per prompt length L (real text: a standard-library source file and a question, b
   torch_gflops   torch.nn.functional.linear (oneDNN) BF16 on the model's MLP gate|up shape
                  [min(L, 2048), hidden] x [2 · intermediate, hidden]^T, same run and threads;
                  qspec_mlp_gflops is qspec's gate|up GEMM in the prefill
-  llama.cpp      with the `peer` extra (llama-cpp-python) installed: the model's GGUF requantized
-                 to BF16 (bench/peer.py), the same prompt ids, time to its first token, as
-                 `llama-bench -p L` measures a prompt; otherwise one line says it was skipped.
+  llama.cpp      with --peer-server: that llama-server binary on --peer-gguf (the model's weights
+                 in BF16), its own timings.prompt_ms for the same prompt ids (no cached prefix);
+                 else with the `peer` extra (llama-cpp-python) installed: the model's GGUF
+                 requantized to BF16 (bench/peer.py), the same prompt ids, time to its first
+                 token, as `llama-bench -p L` measures a prompt; otherwise one line says it was
+                 skipped.
 """
 
 from __future__ import annotations

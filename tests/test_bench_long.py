@@ -65,7 +65,8 @@ def test_bench_e2e_context_quick(default_model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("args,word", [(["e2e", "--context", "10"], "--context"),
                                        (["e2e", "--draft-kv", "int4"], "--draft-kv"),
-                                       (["prefill", "--lengths", "10"], "--lengths")])
+                                       (["prefill", "--lengths", "10"], "--lengths"),
+                                       (["prefill", "--peer-server", "llama-server"], "--peer-gguf")])
 def test_bad_harness_flags_are_one_error(args, word, capsys):
     from qspec.cli import main
 
