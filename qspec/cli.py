@@ -79,7 +79,7 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
     g.add_argument("--draft-kv", choices=("auto", "int8", "mxfp4", "bf16"), default="auto",
                    help="what the MX drafts attend over: int8 / mxfp4 = an INT8 / MXFP4 copy of the KV cache "
-                   "(fewer bytes per draft step at long context), bf16 = the BF16 cache, auto = the int8 copy "
+                   "(fewer bytes per draft step at long context), bf16 = the BF16 cache, auto = the mxfp4 copy "
                    "from 1024 tokens on")
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
                    help="tokens of context, prompt + completion (per request when serving; default: the "

@@ -10,6 +10,7 @@ import qspec.engine
 from qspec import ContextMemoryError, ContextSizeError, PromptTooLongError
 from qspec.kv_cache import KVCache, KVPool
 from qspec.memory import available_bytes, cache_bytes, draft_kv_bytes_per_token, kv_bytes_per_token
+from qspec.native import DRAFT_KV_AUTO_FORMAT
 from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
 
 HUGE = 2**40  # positions: a cache of 256 TiB for the tiny model, beyond any machine's memory
@@ -58,8 +59,8 @@ def test_memory_checked_before_any_weight_is_read(tiny, monkeypatch):
     monkeypatch.setattr(qspec.engine, "load_weights", no_weights)
     with pytest.raises(ContextMemoryError) as e:
         qspec.load(tiny, ctx_size=HUGE)
-    # the BF16 cache and the INT8 draft copy of the default draft (draft_kv="auto")
-    need = str(cache_bytes(qspec.config.ModelConfig.from_file(tiny / "config.json"), HUGE, "int8"))
+    # the BF16 cache and the draft copy of the default draft (draft_kv="auto")
+    need = str(cache_bytes(qspec.config.ModelConfig.from_file(tiny / "config.json"), HUGE, DRAFT_KV_AUTO_FORMAT))
     assert need in str(e.value) and "available" in str(e.value)
 
 
