@@ -143,10 +143,14 @@ inline void emit_scores(__m256 dot, __m256 vscale, int nk, float* sc, __m256& vm
 
 // ---- buffer path
 
-// dst[t · hd ..] = key t (t < nk) in the even/odd layout, exact.
+// dst[t · hd ..] = key t (t < nk) in the even/odd layout, exact. Each key's row of the next block
+// (nk keys on, the same stride) is prefetched: a decode step streams the cache once and the
+// hardware prefetcher alone left half of the 8k-key attention waiting on these loads (perf, Zen 3).
 void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t hd, float* dst) {
   const int64_t hd16 = hd & ~int64_t(15);
   for (int64_t t = 0; t < nk; ++t) {
+    for (int64_t b = 0; b < hd * 2; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(src + (t + nk) * stride) + b, _MM_HINT_T0);
     for (int64_t d = 0; d < hd16; d += 16) {
       __m256 e, o;
       load_bf16x16_eo(src + t * stride + d, e, o);

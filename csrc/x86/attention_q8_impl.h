@@ -226,6 +226,11 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     };
     for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
       const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
+      // the next block's rows, while this one is computed (as convert_block in attention_avx2.cpp)
+      for (int64_t j = b1; j < b1 + kb && j < n_sh; ++j) {
+        const char* row = reinterpret_cast<const char*>(a.kv.q8_row(a.layer, kv_index, attn_key_slot(a, 0, j)));
+        for (int64_t x = 0; x < hd * a.kv.q_bits / 8; x += 64) _mm_prefetch(row + kvh * hd * a.kv.q_bits / 8 + x, _MM_HINT_T0);
+      }
       q8_dequant<T>(a, kv_index, kvh, 0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf);
       for (int64_t u = 0; u < np; ++u) {
         const int64_t e = b1 < n_of(u) ? b1 : n_of(u);
