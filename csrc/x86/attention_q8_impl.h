@@ -124,6 +124,12 @@ inline __m256 q8_dot8(const float* qp, const float* kb, int64_t hd) {
 }
 
 inline void q8_emit(__m256 dot, __m256 vscale, int64_t nk, float* sc, __m256& vmax) {
+  if (nk == 8) {  // a full block: the same values, no staging
+    const __m256 s = _mm256_mul_ps(dot, vscale);
+    _mm256_storeu_ps(sc, s);
+    vmax = _mm256_max_ps(vmax, s);
+    return;
+  }
   alignas(32) float tmp[8];
   _mm256_store_ps(tmp, _mm256_mul_ps(dot, vscale));
   for (int64_t t = 0; t < nk; ++t) sc[t] = tmp[t];
@@ -135,7 +141,13 @@ inline void q8_emit(__m256 dot, __m256 vscale, int64_t nk, float* sc, __m256& vm
 inline float q8_exp_pass(float* scores, int64_t n, float max_s) {
   const __m256 vmax = _mm256_set1_ps(max_s);
   __m256 vsum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {  // full blocks in place; the partial one below, the same arithmetic
+    const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmax));
+    _mm256_storeu_ps(scores + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  for (; j < n; j += 8) {
     alignas(32) float tmp[8];
     for (int t = 0; t < 8; ++t) tmp[t] = j + t < n ? scores[j + t] : -INFINITY;
     const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_load_ps(tmp), vmax));  // -inf lanes -> 0
@@ -162,7 +174,8 @@ inline void q8_v_chunk(const float* w, const float* vb, int64_t hd, int64_t jb, 
 
 template <class T>
 void q8_v_keys(const float* w, const float* vb, int64_t hd, int64_t jb, int64_t j0, int64_t j1, float* acc) {
-  int64_t d = 0;
+  int64_t d = 0;  // 8 chains a chunk where head_dim allows (a column's chain is the same in any chunk)
+  for (; d + 8 * T::W <= hd; d += 8 * T::W) q8_v_chunk<T, 8>(w, vb, hd, jb, j0, j1, acc, d);
   for (; d + 4 * T::W <= hd; d += 4 * T::W) q8_v_chunk<T, 4>(w, vb, hd, jb, j0, j1, acc, d);
   for (; d < hd; d += T::W) q8_v_chunk<T, 1>(w, vb, hd, jb, j0, j1, acc, d);
 }
