@@ -87,8 +87,8 @@ def cost_ratios(be, ks: list[int], context: int, reps: int) -> dict:
 
 
 def real_model(args, ctx, out: JsonWriter) -> list[dict]:
-    n_prompts = 4 if args.quick else args.prompts
-    n_new = 64 if args.quick else args.max_new
+    n_prompts = args.prompts or (4 if args.quick else 24)
+    n_new = args.max_new or (64 if args.quick else 128)
     rows = []
     for dspec in args.drafts:
         spec, levels = parse_chain_setting(dspec)
@@ -262,8 +262,8 @@ def main(argv=None) -> None:
     p.add_argument("--ks", type=_ks, default=None,
                    help="comma list of K, auto, K@P or auto@P (P = draft_p_min; default 1..8,auto)")
     p.add_argument("--temps", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 0.7])
-    p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=None, help="prompts (default 24, quick 4)")
+    p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (default 128, quick 64)")
     p.add_argument("--no-synthetic", action="store_true")
     p.add_argument("--trees", action="store_true",
                    help="add draft trees: at N = K + 1 verify rows per fixed K, and the cost model's choice")

@@ -54,7 +54,7 @@ def test_bench_prefill_quick(default_model_dir, tmp_path, capsys):
 
 def test_bench_e2e_context_quick(default_model_dir, tmp_path, capsys):
     out = tmp_path / "e2e.jsonl"
-    e2e.main(["--quick", "--context", "256", "--ks", "2", "--temps", "0", "--no-synthetic",
+    e2e.main(["--quick", "--context", "256", "--ks", "2", "--temps", "0", "--no-synthetic", "--prompts", "2", "--max-new", "24",
               "--draft-kv", "int8,bf16", "--json", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     spec = [r for r in rows if r.get("mode") == "speculative"]

@@ -72,14 +72,25 @@ def test_final_logits_match_transformers(engine, hf_model):
             (ref.topk(2).values[0] - ref.topk(2).values[1]).item() < atol
 
 
+_hf_continuations: dict = {}
+
+
+def _hf_greedy(hf_model, ids: list[int], eos: list[int]) -> list[int]:
+    """The reference's greedy continuation, generated once for both backends."""
+    key = (tuple(ids), tuple(eos))
+    if key not in _hf_continuations:
+        _hf_continuations[key] = hf_model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
+                                                   eos_token_id=eos, pad_token_id=2)[0, len(ids):].tolist()
+    return _hf_continuations[key]
+
+
 @torch.inference_mode()
 def test_greedy_continuations_match_transformers(engine, hf_model):
     _, near_tie = _tol(engine)
     for prompt in PROMPTS:
         ids = _ids(engine, prompt)
         ours = engine.generate(ids, max_new_tokens=N_NEW).tokens
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
-                                eos_token_id=sorted(engine.eos_ids), pad_token_id=2)[0, len(ids):].tolist()
+        ref = _hf_greedy(hf_model, ids, sorted(engine.eos_ids))
         n = min(len(ours), len(ref))
         split = next((i for i in range(n) if ours[i] != ref[i]), None)
         if split is None:
