@@ -1,12 +1,13 @@
 """Where the time of one draft step and of one target pass of M rows goes:
-`qspec bench breakdown [--model NAME|DIR] [--draft FMT[:HEAD]] [--context N] [--ms 1,2,4] [--reps N]
+`qspec bench breakdown [--model NAME|DIR] [--draft FMT[:HEAD]] [--context N] [--ms 1,2,4] [--draft-ms 1,4,8] [--reps N]
 [--threads N] [--quick] [--json PATH] [--plot PATH]` (or `python -m bench.breakdown ...` from a
 development install).
 
 speedup = tau / (K c + v(K+1)) with c = draft step / target step and v(M) = target pass of M rows /
 one-row pass (M = K + 1 is a verify), so a kernel change counts by what it does to c and v. With
-the cache filled to --context positions, the draft step (M=1, draft weights) and a target pass at
-every M of --ms run interleaved (docs/benchmarking.md rule 1), the native profile (Model.profile)
+the cache filled to --context positions, the draft step (M=1, draft weights), a draft pass at every M
+of --draft-ms (the pass a tree or a second level costs: d(M) = draft pass of M rows / draft step) and a
+target pass at every M of --ms run interleaved (docs/benchmarking.md rule 1), the native profile (Model.profile)
 reset around each call. Per case, median ms per step of each piece (docs/benchmarking.md, "The
 per-step breakdown"):
   qkv o gate_up down lm_head  GEMM kernels per weight (wall, minus prep and idle)
@@ -84,8 +85,9 @@ def profiled_time_fn(model, samples: dict):
     return time_fn
 
 
-def case_rows(samples: dict, ms: list[int]) -> list[dict]:
-    """One row per case: median ms of the step and of each piece, and c or v(M)."""
+def case_rows(samples: dict, ms: list[int], draft_ms: list[int]) -> list[dict]:
+    """One row per case: median ms of the step and of each piece, ratio (step / the target's
+    one-row step: c, c·d(M) or v(M)) and vs_m1 (step / the same weights' one-row step: d(M) or v(M))."""
     def med(name):
         steps = [pieces(wall, p) for wall, p in samples[name]]
         row = {k: 1e3 * statistics.median(s[k] for s in steps) for k in PIECES}
@@ -93,9 +95,11 @@ def case_rows(samples: dict, ms: list[int]) -> list[dict]:
         row["native_ms"] = 1e3 * statistics.median(p["total_s"] for _, p in samples[name])
         return row
 
-    one = med("target")
-    cases = [("draft", 1, med("draft"))] + [("target", m, one if m == 1 else med(f"verify{m - 1}")) for m in ms]
-    return [{"case": case, "m": m, **r, "ratio": r["step_ms"] / one["step_ms"]} for case, m, r in cases]
+    one, draft = med("target"), med("draft")
+    cases = ([("draft", m, draft if m == 1 else med(f"draft{m}")) for m in draft_ms] +
+             [("target", m, one if m == 1 else med(f"verify{m - 1}")) for m in ms])
+    return [{"case": case, "m": m, **r, "ratio": r["step_ms"] / one["step_ms"],
+             "vs_m1": r["step_ms"] / (draft if case == "draft" else one)["step_ms"]} for case, m, r in cases]
 
 
 def controller_share(eng, prompts: list[str], n_new: int) -> dict:
@@ -130,7 +134,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(7.0, 0.7 * len(rows) + 4), 4.5))
-    labels = ["draft" if r["case"] == "draft" else f"M={r['m']}" for r in rows]
+    labels = [f"draft M={r['m']}" if r["case"] == "draft" else f"M={r['m']}" for r in rows]
     bottom = [0.0] * len(rows)
     colors = plt.get_cmap("tab20").colors
     for i, k in enumerate(PIECES):
@@ -138,8 +142,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.bar(labels, vals, bottom=bottom, label=k, color=colors[i % len(colors)])
         bottom = [b + v for b, v in zip(bottom, vals)]
     for x, (r, b) in enumerate(zip(rows, bottom)):
-        ax.text(x, b, f"{'c' if r['case'] == 'draft' else 'v'}={r['ratio']:.2f}", ha="center", va="bottom",
-                fontsize=7)
+        name = "v" if r["case"] == "target" else "c" if r["m"] == 1 else "d"
+        ax.text(x, b, f"{name}={r['ratio'] if name != 'd' else r['vs_m1']:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("ms per step (median of each piece)")
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -157,15 +161,17 @@ def run(args) -> list[dict]:
     print(f"# model {label}, draft {args.draft}, context {args.context}, {args.reps} reps, "
           f"weight bytes draft/target {byte_ratio:.3f}", flush=True)
     samples: dict = {}
-    step_costs(be, [m - 1 for m in args.ms if m > 1], args.context, args.reps, profiled_time_fn(be.model, samples))
-    rows = case_rows(samples, args.ms)
+    step_costs(be, [m - 1 for m in args.ms if m > 1], args.context, args.reps, profiled_time_fn(be.model, samples),
+               draft_ms=args.draft_ms)
+    rows = case_rows(samples, args.ms, args.draft_ms)
     with JsonWriter(args.json, {**ctx, "model": label, "draft": args.draft, "context": args.context,
                                 "reps": args.reps}) as out:
         for r in rows:
             out.write({**r, "byte_ratio": byte_ratio})
-        print(fmt_table(rows, ["case", "m", "step_ms", *PIECES, "ratio"]))
+        print(fmt_table(rows, ["case", "m", "step_ms", *PIECES, "ratio", "vs_m1"]))
         print("# ms per step, median of each piece over the reps (they need not add up to the median "
-              "step); ratio: c (draft) or v(M) = step / target step at M=1", flush=True)
+              "step); ratio = step / target step at M=1 (c for the one-row draft step, v(M) for the "
+              "target); vs_m1 = step / the same weights' one-row step (d(M) for the draft)", flush=True)
         ctl = controller_share(eng, dev_prompts(args.prompt_file, args.prompts), args.max_new)
         out.write({**ctl, "byte_ratio": byte_ratio})
     print(f"# speculative decode (prompts {ctl['prompts']} x {ctl['new_tokens']} new tokens, tau "
@@ -186,6 +192,9 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=512, help="positions in the cache before each step (default 512)")
     p.add_argument("--ms", type=_ms, default=None,
                    help=f"rows per target pass, comma list in 1..{MAX_M} (default 1,2,3,4,5,6,8,12,16; quick 1,2,4)")
+    p.add_argument("--draft-ms", type=_ms, default=None,
+                   help=f"rows per draft pass (a tree or a second level checked by the draft), comma list in "
+                        f"1..{MAX_M} (default 1,2,4,8; quick 1,4)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 15, quick 3)")
     p.add_argument("--prompts", type=int, default=None, help="prompts of the speculative run (default 4, quick 2)")
     p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt there (default 64, quick 32)")
@@ -195,6 +204,7 @@ def main(argv=None) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= {low}")
     args.draft = args.draft or default_draft_name(args)
     args.ms = args.ms or ([1, 2, 4] if args.quick else [1, 2, 3, 4, 5, 6, 8, 12, 16])
+    args.draft_ms = sorted({1, *(args.draft_ms or ([1, 4] if args.quick else [1, 2, 4, 8]))})
     args.reps = args.reps or (3 if args.quick else 15)
     args.prompts = args.prompts or (2 if args.quick else 4)
     args.max_new = args.max_new or (32 if args.quick else 64)

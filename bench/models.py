@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 import qspec
@@ -64,12 +66,14 @@ def synthetic_backend(shape: str, draft: DraftSpec | None, max_seq: int = 1024) 
     return be
 
 
-def step_costs(be, ks: list[int], context: int, reps: int, time_fn) -> dict:
-    """Seconds of one target step (M=1), one draft step, and verify of K+1 rows, at `context`.
+def step_costs(be, ks: list[int], context: int, reps: int, time_fn, draft_ms: Sequence[int] = ()) -> dict:
+    """Seconds of one target step (M=1), one draft step, verify of K+1 rows, and (draft_ms) a
+    draft pass of M rows with every row's logits (a tree or a second level checked by the draft),
+    at `context`.
 
     The cache holds `context` positions of arbitrary (but finite) rows first; timing is
     interleaved per repetition (docs/benchmarking.md rule 1)."""
-    kmax = max(ks, default=0)
+    kmax = max([*ks, *(m - 1 for m in draft_ms)], default=0)
     be.kv.ensure_capacity(context + kmax + 2)
     rng = np.random.default_rng(0)
     toks = rng.integers(0, be.cfg.vocab_size, size=context + kmax + 1).tolist()
@@ -80,4 +84,7 @@ def step_costs(be, ks: list[int], context: int, reps: int, time_fn) -> dict:
         fns["draft"] = lambda: be.forward(toks[context:context + 1], context, draft=True)
     for k in ks:
         fns[f"verify{k}"] = (lambda k=k: be.forward(toks[context:context + k + 1], context, all_logits=True))
+    for m in draft_ms if be.draft is not None else ():
+        if m > 1:
+            fns[f"draft{m}"] = (lambda m=m: be.forward(toks[context:context + m], context, all_logits=True, draft=True))
     return time_fn(fns, warmup=2, reps=reps)

@@ -60,17 +60,21 @@ def test_profile_sums_over_calls_and_keeps_the_logits(backend):
 
 def test_bench_breakdown_quick(default_model_dir, tmp_path, capsys):
     out, png = tmp_path / "breakdown.jsonl", tmp_path / "breakdown.png"
-    breakdown.main(["--quick", "--ms", "1,3", "--reps", "2", "--context", str(CONTEXT), "--prompts", "1",
-                    "--max-new", "8", "--json", str(out), "--plot", str(png)])
+    breakdown.main(["--quick", "--ms", "1,3", "--draft-ms", "4", "--reps", "2", "--context", str(CONTEXT),
+                    "--prompts", "1", "--max-new", "8", "--json", str(out), "--plot", str(png)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     cases = [(r["case"], r["m"]) for r in rows if r["case"] != "controller"]
-    assert cases == [("draft", 1), ("target", 1), ("target", 3)]
-    for r in rows[:3]:
+    assert cases == [("draft", 1), ("draft", 4), ("target", 1), ("target", 3)]
+    for r in rows[:4]:
         assert r["step_ms"] > 0 and r["native_ms"] > 0 and r["context"] == CONTEXT and 0 < r["byte_ratio"] < 1
         assert all(k in r for k in breakdown.PIECES), r
         assert r["qkv"] > 0 and r["lm_head"] > 0 and r["gemm_idle"] >= 0 and r["attn_idle"] >= 0
-    assert rows[1]["ratio"] == 1.0 and rows[0]["ratio"] > 0 and rows[2]["ratio"] > 0
-    ctl = rows[3]
+    draft1, draft4, target1, target3 = rows[:4]
+    assert target1["ratio"] == 1.0 and draft1["ratio"] > 0 and target3["ratio"] > 0
+    assert draft1["vs_m1"] == 1.0 and target1["vs_m1"] == 1.0 and target3["vs_m1"] == target3["ratio"]
+    assert draft4["vs_m1"] == pytest.approx(draft4["step_ms"] / draft1["step_ms"])  # d(4)
+    assert draft4["ratio"] == pytest.approx(draft4["step_ms"] / target1["step_ms"])
+    ctl = rows[4]
     assert ctl["case"] == "controller" and ctl["prompts"] == 1 and ctl["new_tokens"] == 8
     assert ctl["native_pct"] + ctl["around_forward_pct"] + ctl["controller_pct"] == pytest.approx(100)
     assert 0 < ctl["native_pct"] <= 100
@@ -79,12 +83,13 @@ def test_bench_breakdown_quick(default_model_dir, tmp_path, capsys):
     assert "bench.breakdown" in text and "native forward" in text and "lm_head" in text
 
 
+@pytest.mark.parametrize("flag", ["--ms", "--draft-ms"])
 @pytest.mark.parametrize("bad", ["0", "1,x", "65", ""])
-def test_bad_ms_is_one_usage_error(bad, capsys):
+def test_bad_ms_is_one_usage_error(flag, bad, capsys):
     from qspec.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["bench", "breakdown", "--ms", bad])
+        main(["bench", "breakdown", flag, bad])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--ms" in err and err.count("error:") == 1
+    assert e.value.code == 2 and flag in err and err.count("error:") == 1
 
