@@ -31,7 +31,8 @@ their rows report tree_rows (mean verify rows), tree_path (mean accepted path) a
 standard-library source file and a question about a function in it, bench/long_prompts.py), so
 the speedup at long context is measured; c and v(K) are then measured at that context.
 `--draft-kv int8,bf16`: each setting once per draft-KV mode (qspec.load(draft_kv=...): the MX
-draft attends over the INT8 copy of the cache or the BF16 cache), reported in the draft_kv column.
+draft attends over the INT8 copy of the cache or the BF16 cache), reported in the draft_kv column;
+`--draft-windows 0,2048` likewise per draft window (qspec.load(draft_window=...)), column draft_window.
 """
 
 from __future__ import annotations
@@ -102,8 +103,11 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
         fixed = sorted({k for k, _ in args.ks if k != "auto"})
         byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
-        for temp, draft_kv in [(t, m) for m in args.draft_kv for t in args.temps]:
+        modes = [(t, m, w) for m in args.draft_kv for w in args.draft_windows for t in args.temps
+                 if not (w and m == "bf16")]  # a draft window is a window over the draft copy
+        for temp, draft_kv, window in modes:
             eng.backend.draft_kv = draft_kv
+            eng.backend.draft_window = window
             cr = cost_ratios(eng.backend, fixed, args.context or 128, 5 if args.quick else 11)
             settings = [(k, pm, "off") for k, pm in args.ks]
             if args.trees:
@@ -159,13 +163,13 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                     for i, (drafted, accepted, skipped, rounds) in d["levels"].items():
                         row[f"level{i}_acceptance_rate"] = accepted / max(1, drafted)
                         row[f"level{i}_skip_rate"] = skipped / max(1, rounds)
-                row.update(model=name, weights="real", temperature=temp, draft_kv=draft_kv,
+                row.update(model=name, weights="real", temperature=temp, draft_kv=draft_kv, draft_window=window,
                            context=args.context or None,
                            tokens_per_s=statistics.median(d["tps"]), prompts=len(prompts), new_tokens=n_new,
                            threads=args.threads)
                 rows.append(row)
                 out.write(row)
-                print(fmt_table([row], ["draft", "draft_kv", "k", "draft_p_min", "tree", "temperature", "tokens_per_s", "speedup",
+                print(fmt_table([row], ["draft", "draft_kv", "draft_window", "k", "draft_p_min", "tree", "temperature", "tokens_per_s", "speedup",
                                         "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup",
                                         "ceiling_speedup", "tree_rows", "tree_path", "tau_vs_chain"]).splitlines()[-1]
                       + "".join(f"  L{i}: acc {row[f'level{i}_acceptance_rate']:.2f} skip {row[f'level{i}_skip_rate']:.2f}"
@@ -253,6 +257,17 @@ def plot(rows: list[dict], path: str, ctx: dict, model: str) -> None:
     print(f"plot: {path}")
 
 
+def _windows(s: str) -> list[int]:
+    """"0,2048" -> [0, 2048]: draft windows, each an integer >= 0."""
+    try:
+        ws = [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a comma list of integers") from None
+    if any(w < 0 for w in ws):
+        raise argparse.ArgumentTypeError(f"{s!r}: every window must be >= 0")
+    return ws
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="qspec bench e2e", parents=[parent_parser(), model_parser()], description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -274,6 +289,9 @@ def main(argv=None) -> None:
                    "the prompt file")
     p.add_argument("--draft-kv", type=lambda s: s.split(","), default=["auto"],
                    help="comma list of draft KV modes to compare: auto, int8, mxfp4, bf16 (default auto)")
+    p.add_argument("--draft-windows", type=_windows, default=[0],
+                   help="comma list of draft windows to compare (qspec.load(draft_window=N): the drafts attend the "
+                   "first 64 and the N most recent tokens over the draft KV copy; 0 = every token, the default)")
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.context is not None and args.context < 64:

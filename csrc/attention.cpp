@@ -88,20 +88,24 @@ void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores
     const float v = a.kv.q_bits == 4 ? kv_fp4_value(uint8_t(row[c / 2]) >> (4 * (c & 1)) & 15) : float(row[c]);
     return v * kv_q8_scale(a.kv.q8_scales(a.layer, kv_index, slot)[c / kQ8Block]);
   };
+  // keys [0, gap) and [lo, p]: the sinks and the window (all of 0..p without a window)
+  const int64_t gap = attn_gap_lo(a, i), lo = attn_key_lo(a, i);
+  auto next = [&](int64_t j) { return j + 1 == gap ? lo : j + 1; };
+  const int64_t first = gap > 0 ? 0 : lo;
   float max_s = -INFINITY;
-  for (int64_t j = 0; j <= p; ++j) {
+  for (int64_t j = first; j <= p; j = next(j)) {
     float dot = 0.f;
     for (int64_t d = 0; d < hd; ++d) dot += q[d] * value(0, j, d);
     scores[j] = a.scale * dot;
     if (scores[j] > max_s) max_s = scores[j];
   }
   float sum = 0.f;
-  for (int64_t j = 0; j <= p; ++j) {
+  for (int64_t j = first; j <= p; j = next(j)) {
     scores[j] = std::exp(scores[j] - max_s);
     sum += scores[j];
   }
   for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j <= p; ++j)
+  for (int64_t j = first; j <= p; j = next(j))
     for (int64_t d = 0; d < hd; ++d) out[d] += scores[j] * value(1, j, d);
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
@@ -162,6 +166,7 @@ const char* attn_path_name(AttnPath p) {
 
 bool attn_supports(AttnPath p, const AttnArgs& a) {
   if (a.draft_q8 && (!a.kv.q8 || !a.kv.q8_scale || a.kv.head_dim % kQ8Block != 0)) return false;
+  if (a.sink_keys < 0 || a.sink_keys > kAttnSegKeys || (a.sink_keys > 0 && !a.draft_q8)) return false;
   switch (p) {
     case AttnPath::ref: return true;
     case AttnPath::avx2: return int(isa_selected()) >= int(Isa::avx2) && a.kv.head_dim % 8 == 0;
@@ -205,22 +210,27 @@ void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, in
                     float* w) {
   const int64_t hd = a.kv.head_dim;
   const int64_t nseg = (attn_row_pos(a, row) + kAttnSegKeys) / kAttnSegKeys;  // ceil((p + 1) / S)
-  const int64_t s0 = attn_key_lo(a, row) / kAttnSegKeys;  // segments below a window: none
+  // Segments below a window have no partial, except segment 0 when it holds sinks (sink_keys
+  // <= kAttnSegKeys): the live ones are {0 if sinks} then s0 .. nseg - 1, in order.
+  const int64_t s0 = attn_key_lo(a, row) / kAttnSegKeys;
+  const bool sinks = s0 > 0 && attn_gap_lo(a, row) > 0;
+  auto next = [&](int64_t s) { return sinks && s == 0 ? s0 : s + 1; };
+  const int64_t first = sinks ? 0 : s0;
   float big = -INFINITY;
-  for (int64_t s = s0; s < nseg; ++s) {
+  for (int64_t s = first; s < nseg; s = next(s)) {
     const float ms = part.at(a, row, head, s)[0];
     if (ms > big) big = ms;
   }
   float den = 0.f;
-  for (int64_t s = s0; s < nseg; ++s) {
+  for (int64_t s = first; s < nseg; s = next(s)) {
     const float* ps = part.at(a, row, head, s);
     w[s] = std::exp(ps[0] - big);
     den += w[s] * ps[1];
   }
   float* out = a.out + (row * a.n_heads + head) * hd;
-  const float* p0 = part.at(a, row, head, s0) + 2;
-  for (int64_t c = 0; c < hd; ++c) out[c] = w[s0] * p0[c];
-  for (int64_t s = s0 + 1; s < nseg; ++s) {
+  const float* p0 = part.at(a, row, head, first) + 2;
+  for (int64_t c = 0; c < hd; ++c) out[c] = w[first] * p0[c];
+  for (int64_t s = next(first); s < nseg; s = next(s)) {
     const float* ps = part.at(a, row, head, s) + 2;
     const float ws = w[s];
     for (int64_t c = 0; c < hd; ++c) out[c] += ws * ps[c];
@@ -264,7 +274,8 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
       if (r0 == r1 || attn_max_keys(a, r0, r1) <= s * kAttnSegKeys) continue;  // no row reaches s
-      if (attn_min_key_lo(a, r0, r1) >= (s + 1) * kAttnSegKeys) continue;  // s is below every window
+      if (attn_min_key_lo(a, r0, r1) >= (s + 1) * kAttnSegKeys && s * kAttnSegKeys >= a.sink_keys)
+        continue;  // s is below every window and holds no sink
       for (int64_t h = 0; h < kvh; ++h) units.push_back({h, r0, r1, s});
     }
   AttnPartials part;
@@ -335,9 +346,7 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     throw std::invalid_argument(std::string("attention path '") + attn_path_name(p) +
                                 "' is not supported on this CPU / ISA level / head_dim");
   if (a.m <= 0) return;
-  // The INT8 copy's kernels read every key below a row's position: a sliding-window layer reads
-  // the BF16 rows (at most `window` keys a row, so the compact copy would save little there).
-  const bool q8 = a.draft_q8 && a.window <= 0;
+  const bool q8 = a.draft_q8;  // the draft copy (with windows and sinks: attention_q8_impl.h)
   switch (p) {
     case AttnPath::ref: run_ref(q8 ? attn_row_head_ref_q8 : attn_row_head_ref, a); break;
     case AttnPath::avx2: run_grouped(q8 ? attn_group_q8_avx2 : attn_group_avx2, a); break;
@@ -392,7 +401,7 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
                                 std::optional<std::pair<int64_t, py::object>> tree, int64_t window,
                                 std::optional<std::pair<py::array, py::array>> q8,
                                 std::optional<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> pages,
-                                int64_t page_size) {
+                                int64_t page_size, int64_t sinks) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -462,6 +471,10 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
     a.kv.q8_scale = static_cast<uint8_t*>(const_cast<void*>(qs.data()));
     a.draft_q8 = true;
   }
+  if (sinks < 0 || sinks > kAttnSegKeys || (sinks > 0 && !a.draft_q8))
+    throw std::invalid_argument("attention: sinks must be in [0, " + std::to_string(kAttnSegKeys) +
+                                "] and need q8 (the draft copy)");
+  a.sink_keys = sinks;
   AttnPath p = path ? attn_path_from_name(*path) : attn_choose(a);
   if (!attn_supports(p, a))
     throw std::invalid_argument(std::string("attention: path '") + attn_path_name(p) +
@@ -485,7 +498,7 @@ void bind_attention(py::module_& m) {
   m.def("attention", &attention_py, py::arg("q"), py::arg("kv"), py::arg("layer"),
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
         py::arg("tree") = py::none(), py::arg("window") = 0, py::arg("q8") = py::none(),
-        py::arg("pages") = py::none(), py::arg("page_size") = 0,
+        py::arg("pages") = py::none(), py::arg("page_size") = 0, py::arg("sinks") = 0,
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
@@ -493,7 +506,7 @@ void bind_attention(py::module_& m) {
         "window, a row at position p attends keys p - window + 1 .. p; q8 = (int8 values, "
         "E8M0 scales) of the INT8 draft copy (kv_q8_quantize): attend over it instead of kv's BF16 rows; "
         "pages (int32) with page_size: a paged cache, position p in pool row pages[p / page_size] * "
-        "page_size + p % page_size");
+        "page_size + p % page_size; sinks (with q8 and a window): keys 0 .. sinks - 1 are attended too");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

@@ -91,6 +91,10 @@ struct AttnArgs {
   // position p), set the scores of the keys below the window to -inf and skip whole segments
   // below it; the result depends only on p and the window, as every other row's does.
   int64_t window = 0;
+  // Attention sinks (draft passes over the draft copy only; 0: none): with a window, keys
+  // 0 .. sink_keys - 1 are attended as well (StreamingLLM: the first tokens and the recent ones),
+  // so a draft's attention costs O(sink_keys + window) at any context. sink_keys <= kAttnSegKeys.
+  int64_t sink_keys = 0;
   KvCacheView kv;
   const AttnTree* tree = nullptr;  // null: linear rows (row i at position start_pos + i)
   // Read K/V from the INT8 draft copy (kv.q8, head_dim a multiple of kQ8Block) instead of BF16:
@@ -116,6 +120,12 @@ inline int64_t attn_key_lo(const AttnArgs& a, int64_t i) {
   const int64_t lo = attn_row_pos(a, i) - a.window + 1;
   return lo > 0 ? lo : 0;
 }
+// Keys [attn_gap_lo, attn_key_lo) of query row i are not attended: below its window and past the
+// sinks (an empty range without a window).
+inline int64_t attn_gap_lo(const AttnArgs& a, int64_t i) {
+  const int64_t lo = attn_key_lo(a, i);
+  return a.sink_keys < lo ? a.sink_keys : lo;
+}
 // Smallest attn_key_lo of query rows [r0, r1).
 inline int64_t attn_min_key_lo(const AttnArgs& a, int64_t r0, int64_t r1) {
   if (a.window <= 0) return 0;
@@ -132,6 +142,19 @@ inline float attn_window_max(float* scores, int64_t kbeg, int64_t n, int64_t lo,
   float m = -INFINITY;
   for (int64_t j = kbeg; j < lo; ++j) scores[j] = -INFINITY;
   for (int64_t j = lo; j < n; ++j) m = scores[j] > m ? scores[j] : m;
+  return m;
+}
+
+// attn_window_max with sinks: keys [max(kbeg, gap), min(lo, n)) get -inf, the max of the others
+// is returned (`folded` when no key of [kbeg, n) is masked). The pair attends some key of
+// [kbeg, n): kbeg < gap or lo < n.
+inline float attn_gap_max(float* scores, int64_t kbeg, int64_t n, int64_t gap, int64_t lo, float folded) {
+  const int64_t g0 = gap > kbeg ? gap : kbeg, g1 = lo < n ? lo : n;
+  if (g0 >= g1) return folded;
+  float m = -INFINITY;
+  for (int64_t j = g0; j < g1; ++j) scores[j] = -INFINITY;
+  for (int64_t j = kbeg; j < g0; ++j) m = scores[j] > m ? scores[j] : m;
+  for (int64_t j = g1; j < n; ++j) m = scores[j] > m ? scores[j] : m;
   return m;
 }
 

@@ -22,6 +22,16 @@ BENCHMARKS = ("membw", "kernels", "rows", "decode", "e2e", "breakdown", "peer", 
 DEFAULT_MODEL_ID = "smollm2-135m"  # what -m names the default model (qspec fetch --list)
 
 
+def _nonnegative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -81,6 +91,9 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
                    help="what the MX drafts attend over: int8 / mxfp4 = an INT8 / MXFP4 copy of the KV cache "
                    "(fewer bytes per draft step at long context), bf16 = the BF16 cache, auto = the mxfp4 copy "
                    "from 1024 tokens on")
+    g.add_argument("--draft-window", type=_nonnegative_int, default=0, metavar="N",
+                   help="the MX drafts attend only the first 64 tokens and the N most recent ones (over the draft "
+                   "KV copy): drafting as cheap at long context as at short; 0 = every token (default)")
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
                    help="tokens of context, prompt + completion (per request when serving; default: the "
                    "model's); the KV cache is sized to it, after checking that it fits in memory")
@@ -122,7 +135,7 @@ def _load_engine(a: argparse.Namespace):
     try:
         engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
                       threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp,
-                      ctx_size=a.ctx_size, draft_kv=a.draft_kv)
+                      ctx_size=a.ctx_size, draft_kv=a.draft_kv, draft_window=a.draft_window)
     except ContextSizeError as e:
         raise ContextSizeError(str(e).replace("ctx_size", "--ctx-size")) from None
     if a.ctx_size is not None:  # the memory the chosen context takes, before a long run

@@ -447,7 +447,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
          draft_lm_head: str | None = None, cache: bool | None = None,
          draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None,
-         ctx_size: int | None = None, draft_kv: str = "auto") -> Engine:
+         ctx_size: int | None = None, draft_kv: str = "auto", draft_window: int = 0) -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
     (`qspec fetch --list`; fetched on first use unless QSPEC_OFFLINE=1), or a Hugging Face model
     directory.
@@ -474,6 +474,9 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     the KV cache (one E8M0 scale per 32 values, written with every BF16 row; the target still reads
     BF16, so the output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the
     qspec.native.DRAFT_KV_AUTO_FORMAT copy, read from qspec.native.DRAFT_KV_AUTO_MIN positions on.
+    `draft_window`: 0 (default) or N: the MX drafts' passes over that copy attend only the first
+    qspec.native.DRAFT_SINKS tokens and the N most recent ones, so drafting stays as cheap at long
+    context as at short (the target still attends every token: the output is unchanged).
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.
@@ -489,11 +492,13 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
             sys.modules["torch"].set_num_threads(threads)
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
-    from .native import DRAFT_KV_MODES, draft_copy_format
+    from .native import DRAFT_KV_MODES, check_draft_window, draft_copy_format
 
     if draft_kv not in DRAFT_KV_MODES:
         raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
     # a bad format or chain fails before any file is read
+    check_draft_window(draft_window, "copy" if backend == "native" and draft_kv != "bf16" and draft not in (None, NGRAM)
+                       else None)
     spec = resolve_draft_spec(draft, draft_lm_head)
     chain = parse_chain(NGRAM if draft == NGRAM else None if spec is None else "auto", draft_levels)
     if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None or draft_levels
@@ -526,7 +531,8 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         from .native import native_backend
 
         return native_backend(plan.model_dir, plan.cfg, weights, plan.spec, plan.draft_packed, cache=cache,
-                              upper_drafts=plan.upper_specs, shard=shard, draft_kv=draft_kv)
+                              upper_drafts=plan.upper_specs, shard=shard, draft_kv=draft_kv,
+                              draft_window=draft_window)
 
     def make_engine(plan: _Plan, be: Backend) -> Engine:
         if ctx_size is not None:

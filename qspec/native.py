@@ -31,6 +31,19 @@ TARGET, DRAFT = 0, 1
 DRAFT_KV_MODES = ("auto", "int8", "mxfp4", "bf16")
 DRAFT_KV_AUTO_FORMAT = "mxfp4"  # the acceptance of the INT8 copy at half its bytes (README, "Long prompts")
 DRAFT_KV_AUTO_MIN = 1024
+# Keys at the start of the context that a windowed draft pass attends besides its window (the
+# "attention sinks" of StreamingLLM: the first tokens draw attention whatever they hold).
+DRAFT_SINKS = 64
+
+
+def check_draft_window(draft_window, copy: str | None) -> int:
+    """`draft_window` as an int: 0 (the drafts attend every key) or N >= 1 (passes over the draft
+    copy attend the DRAFT_SINKS first keys and the N most recent ones); a window needs the copy."""
+    if isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 0:
+        raise ValueError(f"draft_window must be an integer >= 0, got {draft_window!r}")
+    if draft_window and copy is None:
+        raise ValueError("a draft window needs a draft KV copy (an MX draft with draft KV int8, mxfp4 or auto)")
+    return draft_window
 
 
 def draft_copy_format(cfg: ModelConfig, draft_kv: str, draft) -> str | None:
@@ -172,7 +185,7 @@ def map_checkpoint_tensor(model_dir: Path, name: str, shape: tuple[int, ...]) ->
 def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                    draft_packed: dict | None = None, cache: bool | None = None,
                    upper_drafts: Sequence[DraftSpec] = (), shard: Shard | None = None,
-                   draft_kv: str = "bf16") -> "NativeBackend":
+                   draft_kv: str = "bf16", draft_window: int = 0) -> "NativeBackend":
     """A NativeBackend whose packed target (and draft, unless `draft_packed` comes from a draft
     file) are memory-mapped from the weight cache (qspec/weight_cache.py) when it has them, else
     packed/cast here, with a progress bar, and written to the cache for the next load.
@@ -215,7 +228,7 @@ def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, dra
     embed = map_checkpoint_tensor(model_dir, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     info["embed"] = "mapped" if embed is not None else "copied"
     be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed, upper_drafts=upper,
-                       shard=shard, draft_kv=draft_kv)
+                       shard=shard, draft_kv=draft_kv, draft_window=draft_window)
     info["load_s"] = time.perf_counter() - t0
     be.load_info = info
     return be
@@ -228,7 +241,7 @@ class NativeBackend:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                  draft_packed: dict | None = None, *, target_packed: dict | None = None,
                  embed: np.ndarray | None = None, upper_drafts: Sequence[tuple[DraftSpec, dict]] = (),
-                 shard: Shard | None = None, draft_kv: str = "bf16"):
+                 shard: Shard | None = None, draft_kv: str = "bf16", draft_window: int = 0):
         """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight or float32
         array, e.g. mapped from the weight cache or a draft file) are used as they are; otherwise
         the target is packed and `draft` cast here. `embed`: the BF16 bits of the embedding to
@@ -237,7 +250,8 @@ class NativeBackend:
         (format, packed matrices) of weight sets 2, 3, ... (needs `draft`). `shard`: the part of the
         model this tensor-parallel rank holds (default: all of it); its forward returns logits of
         its vocab rows only, and `set_reducer` must be given the reduction over the ranks.
-        `draft_kv`: what the MX draft passes attend over (DRAFT_KV_MODES)."""
+        `draft_kv`: what the MX draft passes attend over (DRAFT_KV_MODES); `draft_window`: see
+        check_draft_window (the draft_window property)."""
         if upper_drafts and draft is None:
             raise ValueError("draft levels above the draft need a draft (weight set 1)")
         self.cfg = cfg
@@ -292,6 +306,19 @@ class NativeBackend:
             self.set_bytes.append(self._set_draft(set_index, packed, ModelLoadError, f"{spec.fmt} draft"))
         self._rope_positions = 0
         self._logits = np.empty((0, shard.vocab_rows), dtype=np.float32)
+        self.draft_window = draft_window
+
+    @property
+    def draft_window(self) -> int:
+        """0: the drafts attend every key; N: their passes over the draft copy attend the first
+        DRAFT_SINKS keys and the N most recent ones (layers without a sliding window of their own),
+        so a draft step's attention stops growing with the context. The target is untouched."""
+        return self._draft_window
+
+    @draft_window.setter
+    def draft_window(self, n: int) -> None:
+        self._draft_window = check_draft_window(n, self.pool.draft_copy)
+        self.model.set_draft_window(DRAFT_SINKS, self._draft_window)
 
     def _set_draft(self, set_index: int, packed: dict, error: type, what: str) -> int:
         """Load MX matrices into a weight set (the LM head is the target's unless `packed` has

@@ -104,15 +104,19 @@ def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8"):
     return kv, QUANTIZE[fmt](kv)
 
 
-def attention_f64(q, vals, layer, start_pos):
-    """Causal GQA attention in float64 over given K/V values [layers, 2, seq, kvh, hd]."""
+def attention_f64(q, vals, layer, start_pos, window=0, sinks=0):
+    """Causal GQA attention in float64 over given K/V values [layers, 2, seq, kvh, hd]; with a
+    window, a row at p attends keys p - window + 1 .. p and keys 0 .. sinks - 1."""
     m, h, hd = q.shape
     kvh = vals.shape[3]
     out = np.empty((m, h, hd))
     for i in range(m):
         p = start_pos + i
-        k = np.repeat(vals[layer, 0, :p + 1], h // kvh, axis=1)
-        v = np.repeat(vals[layer, 1, :p + 1], h // kvh, axis=1)
+        keys = np.arange(p + 1)
+        if window:
+            keys = keys[(keys > p - window) | (keys < sinks)]
+        k = np.repeat(vals[layer, 0, keys], h // kvh, axis=1)
+        v = np.repeat(vals[layer, 1, keys], h // kvh, axis=1)
         s = np.einsum("hd,jhd->hj", q[i].astype(np.float64), k) / np.sqrt(hd)
         w = np.exp(s - s.max(axis=1, keepdims=True))
         out[i] = np.einsum("hj,jhd->hd", w / w.sum(axis=1, keepdims=True), v)
@@ -131,6 +135,31 @@ def test_kernel_against_f64(path, shape, start_pos, m, fmt):
     np.testing.assert_allclose(got, attention_f64(q, dequant(*q8), 1, start_pos), **TOL_F32_VS_F64)
     bf = _C.attention(q, kv, 1, start_pos, path=path)
     assert not np.array_equal(got, bf)  # it reads the copy, not the BF16 rows
+
+
+# A sliding-window layer (Gemma 3) read through the copy, and the draft window: sinks + recent keys
+# (segments past the sinks and below the window are skipped, the rest merged in order).
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("window,sinks", [(40, 0), (300, 0), (64, 16), (300, 64), (512, 256)])
+@pytest.mark.parametrize("start_pos,m", [(0, 3), (50, 1), (700, 9), (1300, 2)])
+def test_window_and_sinks_against_f64(path, window, sinks, start_pos, m, fmt):
+    kv, q8 = make_cache(start_pos + m + 3, 2, 64, seed=6, fmt=fmt)
+    q = np.random.default_rng(7).standard_normal((m, 6, 64)).astype(np.float32)
+    got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8, window=window, sinks=sinks)
+    want = attention_f64(q, dequant(*q8), 1, start_pos, window, sinks)
+    np.testing.assert_allclose(got, want, **TOL_F32_VS_F64)
+    for i in (0, m - 1):  # a row alone: the same bits
+        one = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, q8=q8, window=window, sinks=sinks)
+        np.testing.assert_array_equal(one[0], got[i])
+
+
+def test_sinks_need_the_copy_and_fit_a_segment():
+    kv, q8 = make_cache(40, 2, 64)
+    q = np.zeros((1, 4, 64), np.float32)
+    for kw in (dict(sinks=4, window=8), dict(q8=q8, sinks=257, window=8), dict(q8=q8, sinks=-1, window=8)):
+        with pytest.raises(ValueError, match="sinks"):
+            _C.attention(q, kv, 0, 30, **kw)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -264,3 +293,55 @@ def test_auto_reads_the_copy_from_the_threshold(model_dir):
     assert be.kv.q8 is not None
     assert not be.reads_draft_copy(True, DRAFT_KV_AUTO_MIN - 1) and be.reads_draft_copy(True, DRAFT_KV_AUTO_MIN)
     assert not be.reads_draft_copy(False, 10 * DRAFT_KV_AUTO_MIN)  # never the target
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_draft_window_changes_the_drafts_only(model_dir, fmt):
+    from qspec.native import DRAFT_SINKS
+
+    win = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt, draft_window=128).backend
+    full = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt).backend
+    assert win.draft_window == 128 and full.draft_window == 0
+    ids = np.random.default_rng(8).integers(0, 64, 600).tolist()
+    for be in (win, full):
+        be.kv.ensure_capacity(700)
+    # the target attends every key: the same logits and cache bits
+    np.testing.assert_array_equal(win.forward(ids, 0, all_logits=True), full.forward(ids, 0, all_logits=True))
+    np.testing.assert_array_equal(win.kv.data[:, :, :600], full.kv.data[:, :, :600])
+    # a draft pass within sinks + window of the start attends every key either way
+    np.testing.assert_array_equal(win.forward(ids[:100], 0, draft=True, all_logits=True),
+                                  full.forward(ids[:100], 0, draft=True, all_logits=True))
+    assert 100 < DRAFT_SINKS + 128
+    # past it, it does not (and each row equals that row alone)
+    rows = win.forward(ids[-5:], 595, draft=True, all_logits=True)
+    assert not np.array_equal(rows, full.forward(ids[-5:], 595, draft=True, all_logits=True))
+    np.testing.assert_array_equal(win.forward(ids[-3:-2], 597, draft=True), rows[2:3])
+    win.draft_window = 0  # off again: the full drafts
+    np.testing.assert_array_equal(win.forward(ids[-5:], 595, draft=True, all_logits=True),
+                                  full.forward(ids[-5:], 595, draft=True, all_logits=True))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_draft_window_is_lossless(model_dir, fmt):
+    eng = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt, draft_window=64)
+    rng = np.random.default_rng(9)
+    for n_ctx in (40, 700):
+        ids = rng.integers(0, 64, n_ctx).tolist()
+        want = eng.generate(ids, max_new_tokens=24, speculative=False).tokens
+        for kw in (dict(draft_max=4), dict(draft_max="auto"), dict(tree="on")):
+            r = eng.generate(ids, max_new_tokens=24, **kw)
+            assert r.tokens == want, (n_ctx, kw)
+            assert r.stats["drafted"] > 0
+
+
+def test_bad_draft_window(model_dir):
+    for bad in (-1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="draft_window"):
+            qspec.load(model_dir, draft="mxfp4", draft_window=bad)
+    for kw in (dict(draft_kv="bf16"), dict(draft=None), dict(draft="ngram")):
+        with pytest.raises(ValueError, match="draft window needs a draft KV copy"):
+            qspec.load(model_dir, **{"draft": "mxfp4", **kw}, draft_window=64)
+    be = qspec.load(model_dir, draft="mxfp4").backend
+    with pytest.raises(ValueError, match="draft_window"):
+        be.draft_window = -5
+    assert be.draft_window == 0

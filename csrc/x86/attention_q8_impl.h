@@ -210,6 +210,12 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
   auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };
+  // Keys [gap_of, lo_of) are not attended (a window, past the sinks); a pair is live in this
+  // segment when it attends one of its keys, and skips the blocks inside its gap.
+  auto lo_of = [&](int64_t u) { return attn_key_lo(a, row_of(u)); };
+  auto gap_of = [&](int64_t u) { return attn_gap_lo(a, row_of(u)); };
+  auto live = [&](int64_t u) { return n_of(u) > kbeg && (kbeg < gap_of(u) || n_of(u) > lo_of(u)); };
+  auto in_gap = [&](int64_t u, int64_t b0, int64_t e) { return b0 >= gap_of(u) && e <= lo_of(u); };
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) {
@@ -221,8 +227,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   for (int kv_index = 0; kv_index < 2; ++kv_index) {
     if (kv_index == 1)  // pass 2, between K and V
       for (int64_t u = 0; u < np; ++u) {
-        if (n_of(u) <= kbeg) continue;
-        const float m = avx2::hmax(_mm256_loadu_ps(stat + u * 8));
+        if (!live(u)) continue;
+        const float m = attn_gap_max(scores + u * sc_stride, kbeg, n_of(u), gap_of(u), lo_of(u),
+                                     avx2::hmax(_mm256_loadu_ps(stat + u * 8)));
         stat[u * 8] = q8_exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, m);
         stat[u * 8 + 1] = m;
       }
@@ -239,22 +246,24 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     };
     for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
       const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
+      auto skips = [&](int64_t u) { return !live(u) || (b1 < n_of(u) ? b1 : n_of(u)) <= b0 || in_gap(u, b0, b1 < n_of(u) ? b1 : n_of(u)); };
+      bool all_skip = true;
+      for (int64_t u = 0; u < np && all_skip; ++u) all_skip = skips(u);
+      if (all_skip) continue;  // every pair's gap (or past its keys): not even dequantized
       // the next block's rows, while this one is computed (as convert_block in attention_avx2.cpp)
       for (int64_t j = b1; j < b1 + kb && j < n_sh; ++j) {
         const char* row = reinterpret_cast<const char*>(a.kv.q8_row(a.layer, kv_index, attn_key_slot(a, 0, j)));
         for (int64_t x = 0; x < hd * a.kv.q_bits / 8; x += 64) _mm_prefetch(row + kvh * hd * a.kv.q_bits / 8 + x, _MM_HINT_T0);
       }
       q8_dequant<T>(a, kv_index, kvh, 0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf);
-      for (int64_t u = 0; u < np; ++u) {
-        const int64_t e = b1 < n_of(u) ? b1 : n_of(u);
-        if (e > b0) run(u, kvbuf, b0, b0, e);
-      }
+      for (int64_t u = 0; u < np; ++u)
+        if (!skips(u)) run(u, kvbuf, b0, b0, b1 < n_of(u) ? b1 : n_of(u));
     }
     int64_t tail_row = -1;
     if (tb > 0)
       for (int64_t u = 0; u < np; ++u) {
         const int64_t n = n_of(u);
-        if (n <= t0) continue;
+        if (n <= t0 || !live(u)) continue;
         if (row_of(u) != tail_row) {  // a row's pairs are consecutive
           tail_row = row_of(u);
           q8_dequant<T>(a, kv_index, kvh, tail_row, t0, n - t0, q8_round8(n - t0), tbuf);
@@ -264,7 +273,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   }
 
   for (int64_t u = 0; u < np; ++u) {
-    if (n_of(u) <= kbeg) continue;
+    if (!live(u)) continue;  // below its window and past its sinks: no partial
     const float* acc = accs + u * hd;
     float* out;
     float inv;
