@@ -13,6 +13,10 @@
 //   2. exp(s - max), Σ as 8 lane-wise partial sums over the segment's 8-key blocks, fixed tree;
 //   3. per output column ONE FMA chain over the keys in order, then · (1/Σ) or the partial for
 //      the driver's in-order segment merge.
+// Windows (a sliding-window layer; the draft window with its sinks, AttnArgs::sink_keys): a pair
+// attends keys [0, gap) and [lo, p] (attn_gap_lo, attn_key_lo); blocks wholly inside [gap, lo) are
+// skipped for it (and not dequantized when every pair skips them), the rest of the gap gets -inf
+// scores before the max (attn_gap_max), and a segment with no attended key leaves no partial.
 // Every lane of a key block depends only on that key (keys past a pair's p are computed from the
 // zero-padded or shared block and dropped), so a pair's result depends only on its q and p: not
 // on m, the other rows, the grouping or the thread count. Tree rows gather their keys after the
