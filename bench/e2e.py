@@ -103,8 +103,10 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
         fixed = sorted({k for k, _ in args.ks if k != "auto"})
         byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
-        modes = [(t, m, w) for m in args.draft_kv for w in args.draft_windows for t in args.temps
-                 if not (w and m == "bf16")]  # a draft window is a window over the draft copy
+        windows = args.draft_windows or [eng.backend.draft_window]
+        # a draft window is a window over the draft copy: none with the BF16 cache
+        modes = list(dict.fromkeys((t, m, 0 if m == "bf16" else w)
+                                   for m in args.draft_kv for w in windows for t in args.temps))
         for temp, draft_kv, window in modes:
             eng.backend.draft_kv = draft_kv
             eng.backend.draft_window = window
@@ -289,9 +291,10 @@ def main(argv=None) -> None:
                    "the prompt file")
     p.add_argument("--draft-kv", type=lambda s: s.split(","), default=["auto"],
                    help="comma list of draft KV modes to compare: auto, int8, mxfp4, bf16 (default auto)")
-    p.add_argument("--draft-windows", type=_windows, default=[0],
+    p.add_argument("--draft-windows", type=_windows, default=None,
                    help="comma list of draft windows to compare (qspec.load(draft_window=N): the drafts attend the "
-                   "first 64 and the N most recent tokens over the draft KV copy; 0 = every token, the default)")
+                   "first 64 and the N most recent tokens over the draft KV copy; 0 = every token; default: the "
+                   "engine's)")
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.context is not None and args.context < 64:

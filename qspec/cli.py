@@ -22,24 +22,21 @@ BENCHMARKS = ("membw", "kernels", "rows", "decode", "e2e", "breakdown", "peer", 
 DEFAULT_MODEL_ID = "smollm2-135m"  # what -m names the default model (qspec fetch --list)
 
 
-def _nonnegative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    return parse
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+_positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
 
 
 def _draft_max(s: str) -> int | str:
@@ -91,9 +88,10 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
                    help="what the MX drafts attend over: int8 / mxfp4 = an INT8 / MXFP4 copy of the KV cache "
                    "(fewer bytes per draft step at long context), bf16 = the BF16 cache, auto = the mxfp4 copy "
                    "from 1024 tokens on")
-    g.add_argument("--draft-window", type=_nonnegative_int, default=0, metavar="N",
+    g.add_argument("--draft-window", type=_nonnegative_int, default=None, metavar="N",
                    help="the MX drafts attend only the first 64 tokens and the N most recent ones (over the draft "
-                   "KV copy): drafting as cheap at long context as at short; 0 = every token (default)")
+                   "KV copy): drafting as cheap at long context as at short; 0 = every token (default: 2048 "
+                   "with a draft KV copy)")
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
                    help="tokens of context, prompt + completion (per request when serving; default: the "
                    "model's); the KV cache is sized to it, after checking that it fits in memory")

@@ -447,7 +447,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
          draft_lm_head: str | None = None, cache: bool | None = None,
          draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None,
-         ctx_size: int | None = None, draft_kv: str = "auto", draft_window: int = 0) -> Engine:
+         ctx_size: int | None = None, draft_kv: str = "auto", draft_window: int | None = None) -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
     (`qspec fetch --list`; fetched on first use unless QSPEC_OFFLINE=1), or a Hugging Face model
     directory.
@@ -474,9 +474,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     the KV cache (one E8M0 scale per 32 values, written with every BF16 row; the target still reads
     BF16, so the output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the
     qspec.native.DRAFT_KV_AUTO_FORMAT copy, read from qspec.native.DRAFT_KV_AUTO_MIN positions on.
-    `draft_window`: 0 (default) or N: the MX drafts' passes over that copy attend only the first
-    qspec.native.DRAFT_SINKS tokens and the N most recent ones, so drafting stays as cheap at long
-    context as at short (the target still attends every token: the output is unchanged).
+    `draft_window`: N: the MX drafts' passes over that copy attend only the first
+    qspec.native.DRAFT_SINKS (64) tokens and the N most recent ones, so drafting stays as cheap at
+    long context as at short (the target still attends every token: the output is unchanged);
+    0: every token; None (default): qspec.native.DEFAULT_DRAFT_WINDOW (2,048) when there is a copy.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.

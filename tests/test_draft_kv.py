@@ -300,7 +300,7 @@ def test_draft_window_changes_the_drafts_only(model_dir, fmt):
     from qspec.native import DRAFT_SINKS
 
     win = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt, draft_window=128).backend
-    full = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt).backend
+    full = qspec.load(model_dir, draft="mxfp4", draft_kv=fmt, draft_window=0).backend
     assert win.draft_window == 128 and full.draft_window == 0
     ids = np.random.default_rng(8).integers(0, 64, 600).tolist()
     for be in (win, full):
@@ -335,6 +335,8 @@ def test_draft_window_is_lossless(model_dir, fmt):
 
 
 def test_bad_draft_window(model_dir):
+    from qspec.native import DEFAULT_DRAFT_WINDOW
+
     for bad in (-1, 1.5, True, "64"):
         with pytest.raises(ValueError, match="draft_window"):
             qspec.load(model_dir, draft="mxfp4", draft_window=bad)
@@ -342,6 +344,9 @@ def test_bad_draft_window(model_dir):
         with pytest.raises(ValueError, match="draft window needs a draft KV copy"):
             qspec.load(model_dir, **{"draft": "mxfp4", **kw}, draft_window=64)
     be = qspec.load(model_dir, draft="mxfp4").backend
+    assert be.draft_window == DEFAULT_DRAFT_WINDOW  # the default with a copy
     with pytest.raises(ValueError, match="draft_window"):
         be.draft_window = -5
-    assert be.draft_window == 0
+    assert be.draft_window == DEFAULT_DRAFT_WINDOW
+    for kw in (dict(draft_kv="bf16"), dict(draft=None)):  # the default without a copy: none
+        assert qspec.load(model_dir, **{"draft": "mxfp4", **kw}).backend.draft_window == 0
