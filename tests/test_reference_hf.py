@@ -87,7 +87,8 @@ def _hf_greedy(hf_model, ids: list[int], eos: list[int]) -> list[int]:
 @torch.inference_mode()
 def test_greedy_continuations_match_transformers(engine, hf_model):
     _, near_tie = _tol(engine)
-    for prompt in PROMPTS:
+    torch_backend = type(engine.backend).__name__ == "TorchBackend"  # its logits: every prompt, above
+    for prompt in PROMPTS[:3] if torch_backend else PROMPTS:
         ids = _ids(engine, prompt)
         ours = engine.generate(ids, max_new_tokens=N_NEW).tokens
         ref = _hf_greedy(hf_model, ids, sorted(engine.eos_ids))
