@@ -250,7 +250,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     };
     for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
       const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
-      auto skips = [&](int64_t u) { return !live(u) || (b1 < n_of(u) ? b1 : n_of(u)) <= b0 || in_gap(u, b0, b1 < n_of(u) ? b1 : n_of(u)); };
+      auto end_of = [&](int64_t u) { return b1 < n_of(u) ? b1 : n_of(u); };  // pair u's keys end here
+      auto skips = [&](int64_t u) { return !live(u) || end_of(u) <= b0 || in_gap(u, b0, end_of(u)); };
       bool all_skip = true;
       for (int64_t u = 0; u < np && all_skip; ++u) all_skip = skips(u);
       if (all_skip) continue;  // every pair's gap (or past its keys): not even dequantized
@@ -261,7 +262,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       }
       q8_dequant<T>(a, kv_index, kvh, 0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf);
       for (int64_t u = 0; u < np; ++u)
-        if (!skips(u)) run(u, kvbuf, b0, b0, b1 < n_of(u) ? b1 : n_of(u));
+        if (!skips(u)) run(u, kvbuf, b0, b0, end_of(u));
     }
     int64_t tail_row = -1;
     if (tb > 0)
