@@ -133,19 +133,7 @@ inline int64_t attn_min_key_lo(const AttnArgs& a, int64_t r0, int64_t r1) {
   for (int64_t i = r0 + 1; i < r1 && a.tree; ++i) lo = attn_key_lo(a, i) < lo ? attn_key_lo(a, i) : lo;
   return lo;  // linear rows: positions grow with i
 }
-// Pass 2 of a fast path for one pair over keys [kbeg, n) of a segment, with `lo` its first
-// attended key (kbeg < n, lo < n): sets the scores of keys [kbeg, lo) to -inf and returns the
-// max of the rest, exact (a max does not depend on order); `folded` is the max the pass-1 fold
-// found over all of [kbeg, n), returned as it is when no key is masked.
-inline float attn_window_max(float* scores, int64_t kbeg, int64_t n, int64_t lo, float folded) {
-  if (lo <= kbeg) return folded;
-  float m = -INFINITY;
-  for (int64_t j = kbeg; j < lo; ++j) scores[j] = -INFINITY;
-  for (int64_t j = lo; j < n; ++j) m = scores[j] > m ? scores[j] : m;
-  return m;
-}
-
-// attn_window_max with sinks: keys [max(kbeg, gap), min(lo, n)) get -inf, the max of the others
+// Pass 2 with sinks and a window: keys [max(kbeg, gap), min(lo, n)) get -inf, the max of the others
 // is returned (`folded` when no key of [kbeg, n) is masked). The pair attends some key of
 // [kbeg, n): kbeg < gap or lo < n.
 inline float attn_gap_max(float* scores, int64_t kbeg, int64_t n, int64_t gap, int64_t lo, float folded) {
@@ -156,6 +144,13 @@ inline float attn_gap_max(float* scores, int64_t kbeg, int64_t n, int64_t gap, i
   for (int64_t j = kbeg; j < g0; ++j) m = scores[j] > m ? scores[j] : m;
   for (int64_t j = g1; j < n; ++j) m = scores[j] > m ? scores[j] : m;
   return m;
+}
+// Pass 2 of a fast path for one pair over keys [kbeg, n) of a segment, with `lo` its first
+// attended key (kbeg < n, lo < n): sets the scores of keys [kbeg, lo) to -inf and returns the
+// max of the rest, exact (a max does not depend on order); `folded` is the max the pass-1 fold
+// found over all of [kbeg, n), returned as it is when no key is masked.
+inline float attn_window_max(float* scores, int64_t kbeg, int64_t n, int64_t lo, float folded) {
+  return attn_gap_max(scores, kbeg, n, 0, lo, folded);  // a window without sinks
 }
 
 // Cache row holding logical key j of query row i.
