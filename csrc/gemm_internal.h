@@ -10,6 +10,7 @@ namespace detail {
 
 constexpr int kRows = 16;   // output rows per packed block
 constexpr int kKBlk = 32;   // MX block (and K padding)
+inline int64_t rup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }  // a rounded up to a multiple of b
 constexpr int kAccCols = 64;  // per-row accumulator scratch: up to 4 row blocks at once
 
 // Element decode families (how one packed code becomes a float).
