@@ -4,7 +4,7 @@
 
 namespace qspec {
 void bind_mx(pybind11::module_& m);     // mx.cpp
-void bind_gemm(pybind11::module_& m);   // gemm.cpp
+void bind_gemm(pybind11::module_& m);   // gemm_bindings.cpp
 void bind_attention(pybind11::module_& m);  // attention.cpp
 void bind_kv_q8(pybind11::module_& m);  // kv_q8.cpp (the INT8 draft copy of the KV cache)
 void bind_model(pybind11::module_& m);  // model.cpp
