@@ -160,6 +160,7 @@ const char* attn_path_name(AttnPath p) {
     case AttnPath::ref: return "ref";
     case AttnPath::avx2: return "avx2";
     case AttnPath::avx512: return "avx512";
+    case AttnPath::amx: return "amx";
   }
   return "?";
 }
@@ -172,13 +173,14 @@ bool attn_supports(AttnPath p, const AttnArgs& a) {
     case AttnPath::avx2: return int(isa_selected()) >= int(Isa::avx2) && a.kv.head_dim % 8 == 0;
     case AttnPath::avx512:
       return int(isa_selected()) >= int(Isa::avx512) && a.kv.head_dim % 8 == 0;
+    case AttnPath::amx: return int(isa_selected()) >= int(Isa::amx) && a.kv.head_dim % 8 == 0;
   }
   return false;
 }
 
 // Depends on the ISA level and head_dim only — never on m or positions (invariant 2).
 AttnPath attn_choose(const AttnArgs& a) {
-  for (AttnPath p : {AttnPath::avx512, AttnPath::avx2})
+  for (AttnPath p : {AttnPath::amx, AttnPath::avx512, AttnPath::avx2})
     if (attn_supports(p, a)) return p;
   return AttnPath::ref;
 }
@@ -351,6 +353,7 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     case AttnPath::ref: run_ref(q8 ? attn_row_head_ref_q8 : attn_row_head_ref, a); break;
     case AttnPath::avx2: run_grouped(q8 ? attn_group_q8_avx2 : attn_group_avx2, a); break;
     case AttnPath::avx512: run_grouped(q8 ? attn_group_q8_avx512 : attn_group_avx512, a); break;
+    case AttnPath::amx: run_grouped(q8 ? attn_group_q8_avx512 : attn_group_amx, a); break;
   }
 }
 
@@ -364,9 +367,9 @@ namespace py = pybind11;
 namespace {
 
 AttnPath attn_path_from_name(const std::string& name) {
-  for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512})
+  for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512, AttnPath::amx})
     if (name == attn_path_name(p)) return p;
-  throw std::invalid_argument("attention path '" + name + "' is not one of ref, avx2, avx512");
+  throw std::invalid_argument("attention path '" + name + "' is not one of ref, avx2, avx512, amx");
 }
 
 // A probe AttnArgs with the given head_dim, for the shape-independent questions from Python.
@@ -510,7 +513,7 @@ void bind_attention(py::module_& m) {
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);
-    for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512})
+    for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512, AttnPath::amx})
       if (attn_supports(p, a)) names.push_back(attn_path_name(p));
     return names;
   }, "Attention paths usable at the selected ISA level (for head_dim a multiple of 8)");

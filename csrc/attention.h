@@ -187,7 +187,7 @@ struct AttnTreePaths {
   AttnTreePaths& operator=(const AttnTreePaths&) = delete;
 };
 
-enum class AttnPath : int { ref = 0, avx2 = 1, avx512 = 2 };
+enum class AttnPath : int { ref = 0, avx2 = 1, avx512 = 2, amx = 3 };
 const char* attn_path_name(AttnPath p);
 bool attn_supports(AttnPath p, const AttnArgs& a);
 AttnPath attn_choose(const AttnArgs& a);  // by isa_selected(); never changes with m
@@ -241,6 +241,9 @@ void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_
                      const AttnPartials& part);
 void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                        int64_t seg, const AttnPartials& part);
+// QKᵀ and PV on AMX-BF16 tiles (csrc/x86/attention_amx.cpp); the draft copy keeps the AVX-512 kernels.
+void attn_group_amx(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
+                    const AttnPartials& part);
 // The same over the INT8 draft copy (a.draft_q8; csrc/x86/attention_q8_impl.h).
 void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 void attn_group_q8_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,

@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "attention.h"
+#include "attention_avx512.h"
 
 namespace qspec {
 namespace {
@@ -42,28 +43,6 @@ inline __m512 load_bf16x8_lo(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-// exp(x) for x <= 0; the AVX2 scheme on 16 lanes (Cody-Waite + degree-7 Taylor, ~2 ulp;
-// x < -87 -> 0, so -inf -> 0 and no denormals).
-inline __m512 exp_neg(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.f / 5040.f);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 720.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 120.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 24.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 6.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);  // n in [-126, 0]
-  const __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(poly), pow2n));
-  return _mm512_maskz_mov_ps(__mmask16(~tiny), y);
-}
-
 // 16 lanes -> 8 (lo + hi halves), then 8 such vectors -> [Σa0 .. Σa7] with a fixed add tree.
 inline __m256 fold(__m512 a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -79,12 +58,6 @@ inline __m256 hsum8x8(const __m512 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-inline float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Per-thread scratch lives in baseline code (attention.cpp): STL templates instantiated in
 // an ISA file could be the copy the linker keeps for baseline callers (SIGILL on older CPUs).
@@ -147,19 +120,6 @@ void scores_block(const float* q, const float* kbuf, int64_t hd, int64_t b0, int
   *vmax_io = vmax;
 }
 
-// Pass 2: scores[j] = exp(scores[j] - max) in place for j < n; Σ in a fixed order.
-float exp_pass(float* scores, int64_t n, float max_s) {
-  const __m512 vmax = _mm512_set1_ps(max_s);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, scores + j);
-    const __m512 e = exp_neg(_mm512_sub_ps(s, vmax));  // dead lanes: exp(-inf) = 0
-    _mm512_mask_storeu_ps(scores + j, live, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  return _mm512_reduce_add_ps(vsum);
-}
 
 // Pass 3 for NC·16 columns of one pair over keys [b0, e) of the current V super-block; running
 // sums in accp between super-blocks (one FMA chain per column over keys 0..p).
@@ -271,8 +231,8 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   for (int64_t u = 0; u < np; ++u) {
     if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;
     const float max_s = attn_window_max(scores + u * sc_stride, kbeg, n_of(u), attn_key_lo(a, row_of(u)),
-                                        hmax8(_mm256_loadu_ps(vmaxs + u * 8)));
-    sums[u * 8] = exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
+                                        avx512::hmax8(_mm256_loadu_ps(vmaxs + u * 8)));
+    sums[u * 8] = avx512::exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
     sums[u * 8 + 1] = max_s;
   }
 
