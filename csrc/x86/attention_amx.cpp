@@ -69,6 +69,20 @@ inline void split3(float x, uint16_t* p, int64_t part_stride) {
   }
 }
 
+// split3 of 16 values: parts p of x[0..16) to dst[p · part_stride + 0..16).
+inline void split3x16(const float* x, uint16_t* dst, int64_t part_stride) {
+  const __m256i top = _mm256_set1_epi32(int(0xFFFF0000u));
+  __m256 r0 = _mm256_loadu_ps(x), r1 = _mm256_loadu_ps(x + 8);
+  for (int k = 0; k < kParts; ++k) {
+    const __m256i b0 = _mm256_and_si256(_mm256_castps_si256(r0), top);
+    const __m256i b1 = _mm256_and_si256(_mm256_castps_si256(r1), top);
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(b0, 16), _mm256_srli_epi32(b1, 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * part_stride), _mm256_permute4x64_epi64(packed, 0xD8));
+    r0 = _mm256_sub_ps(r0, _mm256_castsi256_ps(b0));
+    r1 = _mm256_sub_ps(r1, _mm256_castsi256_ps(b1));
+  }
+}
+
 // Every tile 16 rows x 64 bytes. Tile 0: C (FP32), 1: A, 2: B.
 void configure_tiles() {
   detail::amx::TileConfig cfg = detail::amx::tile_config();
@@ -198,13 +212,30 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // Pass 3: V sums in tiles of 16 pairs x 16 columns, blocks of 32 keys from kbeg.
   std::memset(accs, 0, size_t(f_accs) * 4);
   // Stage keys [j0, j0 + nk) of V (row of key t at vrow(t)) as B tiles, one per 16 columns:
-  // vst[col / 16][r][col % 16][i] = V[key 2r + i][col]; keys nk.. and columns hd.. zero.
+  // vst[col / 16][r][col % 16][i] = V[key 2r + i][col]; keys nk.. and columns hd.. zero (the
+  // columns past hd are zeroed once: only whole 16- or 8-column pieces below hd are written).
+  std::memset(vst, 0, size_t(h_v) * 2);
   auto stage_v = [&](int64_t nk, auto&& vrow) {
-    std::memset(vst, 0, size_t(h_v) * 2);
-    for (int64_t t = 0; t < nk; ++t) {
-      const uint16_t* v = vrow(t);
-      uint16_t* dst = vst + (t / 2) * kTile * 2 + t % 2;
-      for (int64_t d = 0; d < hd; ++d) dst[(d / 16) * kTileElems + (d % 16) * 2] = v[d];
+    const int64_t hd16 = hd & ~int64_t(15);
+    for (int64_t r = 0; r < kTile; ++r) {
+      const uint16_t* v0 = 2 * r < nk ? vrow(2 * r) : nullptr;
+      const uint16_t* v1 = 2 * r + 1 < nk ? vrow(2 * r + 1) : nullptr;
+      uint16_t* dst = vst + r * kTile * 2;
+      for (int64_t d = 0; d < hd16; d += 16) {  // interleave two rows' 16 columns: 64 bytes
+        const __m256i x0 = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)) : _mm256_setzero_si256();
+        const __m256i x1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : _mm256_setzero_si256();
+        const __m256i lo = _mm256_unpacklo_epi16(x0, x1), hi = _mm256_unpackhi_epi16(x0, x1);
+        __m256i* o = reinterpret_cast<__m256i*>(dst + (d / 16) * kTileElems);
+        _mm256_storeu_si256(o, _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(lo, hi, 0x31));
+      }
+      if (hd16 < hd) {  // 8 columns
+        const __m128i x0 = v0 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + hd16)) : _mm_setzero_si128();
+        const __m128i x1 = v1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(v1 + hd16)) : _mm_setzero_si128();
+        __m128i* o = reinterpret_cast<__m128i*>(dst + (hd16 / 16) * kTileElems);
+        _mm_storeu_si128(o, _mm_unpacklo_epi16(x0, x1));
+        _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(x0, x1));
+      }
     }
   };
   // Weight parts of keys [j0, j0 + 32) for tile block b, pairs that `want` (others zero), then
@@ -216,7 +247,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       if (!want(u) || n_of(u) <= j0) continue;
       const int64_t e = n_of(u) - j0 < kVKeys ? n_of(u) - j0 : kVKeys;
       const float* w = scores + u * sc_stride + j0;
-      for (int64_t t = 0; t < e; ++t) split3(w[t], wst + pr * kVKeys + t, kTileElems);
+      int64_t t = 0;
+      for (; t + 16 <= e; t += 16) split3x16(w + t, wst + pr * kVKeys + t, kTileElems);
+      for (; t < e; ++t) split3(w[t], wst + pr * kVKeys + t, kTileElems);
     }
     for (int64_t c = 0; c < hdp / 16; ++c) {
       _tile_zero(0);
