@@ -1,0 +1,121 @@
+"""Attention over the BF16 cache per path, decode / verify / prefill shapes:
+`qspec bench attention [--model NAME|DIR] [--contexts 512,2048,8192] [--ms 1,5,9,16] [--paths avx512,amx]`.
+
+For every usable path (`_C.attn_paths()`, or --paths) and context L, the rows of one step at
+positions L - M .. L - 1 (M = 1: decode; K + 1: a verify; --prefill adds M = L from position 0)
+over a synthetic cache in the model's shape (query heads, KV heads, head_dim), one layer's call
+timed and scaled to all the model's layers. Paths and M values are interleaved per repetition
+(BENCH.md rule 1), the cache rotates over enough layers to come from DRAM (decode reads each
+layer's K/V once), and the read bandwidth is measured in the same run. Columns: ms per step
+(all layers), a(M) = time(M rows) / time(1 row) per path, GFLOP/s of QKᵀ + PV, the GB/s of K/V
+read (one pass) against the measured bandwidth, and each path's time against the first fast one.
+The cache is SYNTHETIC (random BF16 rows): speed only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from .common import JsonWriter, fmt_table, llc_bytes, parent_parser, print_header, setup
+from qspec import _C
+
+SHAPES = {"SmolLM2-135M": (9, 3, 64, 30), "qwen2.5-coder-1.5b": (12, 2, 128, 28)}  # heads, kv, hd, layers
+
+
+def model_shape(model: str | None) -> tuple[str, tuple[int, int, int, int]]:
+    """(label, (query heads, KV heads, head_dim, layers)) from --model's config.json, or the 1.5B's."""
+    if model is None:
+        return "qwen2.5-coder-1.5b", SHAPES["qwen2.5-coder-1.5b"]
+    from qspec.config import ModelConfig
+    from qspec.errors import QspecError
+    from qspec.fetch import resolve_model
+
+    try:
+        d = resolve_model(model)
+        c = ModelConfig.from_file(d / "config.json")
+    except (QspecError, ValueError) as e:
+        raise SystemExit(f"bench: error: {e}") from None
+    return d.name, (c.n_heads, c.n_kv_heads, c.head_dim, c.n_layers)
+
+
+def run(args) -> list[dict]:
+    threads = setup(args)
+    ctx = print_header(args, "Attention per path: decode / verify / prefill shapes (synthetic cache)")
+    label, (heads, kv_heads, hd, layers) = model_shape(args.model)
+    usable = _C.attn_paths()
+    paths = args.paths or [p for p in usable if p != "ref"] or ["ref"]
+    bad = [p for p in paths if p not in usable]
+    if bad:
+        raise SystemExit(f"bench: error: attention path(s) {', '.join(bad)} not usable here (usable: {', '.join(usable)})")
+    contexts = args.contexts or ([512, 2048] if args.quick else [512, 2048, 8192])
+    ms = sorted(set([1] + (args.ms or ([1, 5] if args.quick else [1, 5, 9, 16]))))
+    reps = args.reps or (3 if args.quick else 7)
+    rng = np.random.default_rng(0)
+    probe = _C.ReadProbe(8 * llc_bytes(), threads)
+    rows: list[dict] = []
+    print(f"# model shape {label}: {heads} query heads, {kv_heads} KV heads, head_dim {hd}, {layers} layers; "
+          f"paths {', '.join(paths)}; {reps} reps", flush=True)
+    with JsonWriter(args.json, {**ctx, "model": label}) as out:
+        for L in contexts:
+            layer_bytes = 2 * L * kv_heads * hd * 2
+            n_layers = max(2, min(layers, int(np.ceil(3 * llc_bytes() / layer_bytes))))  # from DRAM
+            kv = (rng.standard_normal((n_layers, 2, L + max(ms), kv_heads, hd), dtype=np.float32)
+                  .view(np.uint32) >> 16).astype(np.uint16)
+            cases = [(m, L - m) for m in ms if m <= L] + ([(L, 0)] if args.prefill else [])
+            qs = {m: rng.standard_normal((m, heads, hd), dtype=np.float32) for m, _ in cases}
+            times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in paths for m, _ in cases}
+            layer = 0
+            for r in range(reps + 1):  # the first round warms up
+                for m, start in cases:
+                    for p in paths:
+                        t0 = time.perf_counter()
+                        _C.attention(qs[m], kv, layer, start, path=p)
+                        dt = time.perf_counter() - t0
+                        layer = (layer + 1) % n_layers
+                        if r:
+                            times[(p, m)].append(dt)
+            gbps = probe.nbytes / min(probe.run(2)) / 1e9
+            base = {m: statistics.median(times[(paths[0], m)]) for m, _ in cases}
+            for m, start in cases:
+                pair_keys = sum(start + i + 1 for i in range(m)) * heads
+                for p in paths:
+                    s = statistics.median(times[(p, m)])
+                    one = statistics.median(times[(p, 1)])
+                    row = {"path": p, "context": L, "m": m, "ms_per_step": s * layers * 1e3,
+                           "a(M)": s / one, "gflops": 4 * pair_keys * hd / s / 1e9,
+                           "kv_gbps": layer_bytes / s / 1e9, "read_gbps": gbps,
+                           f"vs_{paths[0]}": s / base[m], "synthetic": True}
+                    rows.append(row)
+                    out.write(row)
+            del kv
+    print(fmt_table(rows, ["path", "context", "m", "ms_per_step", "a(M)", "gflops", "kv_gbps", "read_gbps",
+                           f"vs_{paths[0]}"]))
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser()],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    csv = lambda t: (lambda v: [t(x) for x in v.split(",")])  # noqa: E731
+    ap.add_argument("-m", "--model", metavar="NAME|DIR", default=None,
+                    help="model whose attention shape to use (default: Qwen2.5-Coder-1.5B's 12/2/128, 28 layers)")
+    ap.add_argument("--contexts", type=csv(int), default=None, help="comma list of contexts L (default 512,2048,8192)")
+    ap.add_argument("--ms", type=csv(int), default=None, help="comma list of rows M per step (default 1,5,9,16)")
+    ap.add_argument("--paths", type=csv(str), default=None, help="comma list of paths (default: every fast path usable here)")
+    ap.add_argument("--prefill", action="store_true", help="add M = L rows from position 0 (a whole prompt)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7, --quick 3)")
+    args = ap.parse_args(argv)
+    for name in ("contexts", "ms"):
+        if any(v < 1 for v in getattr(args, name) or []):
+            ap.error(f"--{name} values must be >= 1")
+    if args.reps is not None and args.reps < 1:
+        ap.error("--reps must be >= 1")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
