@@ -178,10 +178,20 @@ bool attn_supports(AttnPath p, const AttnArgs& a) {
   return false;
 }
 
-// Depends on the ISA level and head_dim only — never on m or positions (invariant 2).
+namespace {
+std::atomic<bool>& amx_attention_enabled() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+}  // namespace
+
+bool set_attn_amx(bool enabled) { return amx_attention_enabled().exchange(enabled); }
+
+// Depends on the ISA level, head_dim and set_attn_amx only — never on m or positions (invariant 2).
 AttnPath attn_choose(const AttnArgs& a) {
   for (AttnPath p : {AttnPath::amx, AttnPath::avx512, AttnPath::avx2})
-    if (attn_supports(p, a)) return p;
+    if (attn_supports(p, a) && (p != AttnPath::amx || amx_attention_enabled().load(std::memory_order_relaxed)))
+      return p;
   return AttnPath::ref;
 }
 
@@ -517,6 +527,10 @@ void bind_attention(py::module_& m) {
       if (attn_supports(p, a)) names.push_back(attn_path_name(p));
     return names;
   }, "Attention paths usable at the selected ISA level (for head_dim a multiple of 8)");
+  m.def("set_attn_amx", &set_attn_amx, py::arg("enabled"),
+        "Let attention() take the AMX path at the amx level (default True); False: the AVX-512 one. "
+        "Returns the previous setting. For A/B runs: set it before loading a model, not between a "
+        "generation's passes (plain and speculative passes must take the same path)");
   m.def("attn_choose", [](int64_t head_dim) {
     if (head_dim <= 0) throw std::invalid_argument("attn_choose: head_dim must be positive");
     return std::string(attn_path_name(attn_choose(probe_args(head_dim))));

@@ -191,6 +191,7 @@ enum class AttnPath : int { ref = 0, avx2 = 1, avx512 = 2, amx = 3 };
 const char* attn_path_name(AttnPath p);
 bool attn_supports(AttnPath p, const AttnArgs& a);
 AttnPath attn_choose(const AttnArgs& a);  // by isa_selected(); never changes with m
+bool set_attn_amx(bool enabled);          // amx path allowed (default); returns the previous value
 void attention(const AttnArgs& a);         // dispatches
 // Per-thread FP32 scratch of at least n floats, 64-byte aligned, reused across calls.
 float* attn_thread_scratch(int64_t n);

@@ -511,3 +511,15 @@ def test_bad_page_table(bad, match):
     q, kv = make_q(4, SMOLLM2[0], SMOLLM2[2]), make_cache(*SMOLLM2[1:])
     with pytest.raises(ValueError, match=match):
         _C.attention(q, kv, 1, 20, **bad)
+
+
+def test_amx_attention_can_be_switched_off():
+    before = _C.set_attn_amx(False)
+    try:
+        want = [p for p in PATHS if p != "amx"][-1]
+        assert _C.attn_choose(64) == want and _C.attn_choose(128) == want
+        kv, q = make_cache(2, 64), make_q(3, 6, 64)
+        assert np.array_equal(_C.attention(q, kv, 0, 20), _C.attention(q, kv, 0, 20, path=want))
+    finally:
+        _C.set_attn_amx(before)
+    assert _C.attn_choose(64) == PATHS[-1]
