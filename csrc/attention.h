@@ -226,6 +226,15 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 // pairs into calls however it likes (by m and thread count) without changing a single bit.
 constexpr int64_t kAttnSegKeys = 256;
 
+// The keys a fast-path call over pairs [u0, u1) (numbered as above) covers in
+// segment seg: the longest of their rows, capped at the segment's end; at most the segment's
+// start means the call has nothing to do.
+inline int64_t attn_unit_keys(const AttnArgs& a, int64_t u0, int64_t u1, int64_t seg) {
+  const int64_t G = a.n_heads / a.kv.kv_heads, cap = (seg + 1) * kAttnSegKeys;
+  const int64_t n = attn_max_keys(a, u0 / G, (u1 - 1) / G + 1);
+  return n < cap ? n : cap;
+}
+
 struct AttnPartials {
   // [m][n_heads][max_seg][head_dim + 2]: {max, Σ exp, Σ exp · V[0 .. head_dim)} per segment,
   // V sums in natural column order.

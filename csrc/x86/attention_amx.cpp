@@ -100,8 +100,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t np = u1 - u0;
   if (np <= 0) return;
   const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
-  int64_t n_max = attn_max_keys(a, u0 / G, (u1 - 1) / G + 1);
-  if (n_max > kcap) n_max = kcap;
+  const int64_t n_max = attn_unit_keys(a, u0, u1, seg);
   if (n_max <= kbeg) return;
   // Keys [kbeg, n_sh) are streamed for every pair; a tree row's logical keys [t0, n) are
   // gathered per row (t0 a multiple of 32: value blocks never mix the two).
@@ -175,31 +174,31 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     }
   };
   auto all_pairs = [](int64_t) { return true; };
+  // Each tree row's own keys [t0, n) in blocks of `step` from t0: fn(row, j0, keys, tile blocks
+  // [b0, b1) holding the row's pairs, which pairs are the row's). A row's pairs are consecutive.
+  auto tree_blocks = [&](int64_t step, auto&& fn) {
+    if (t0 >= n_max) return;
+    for (int64_t row = u0 / G; row <= (u1 - 1) / G; ++row) {
+      const int64_t ua = row * G - u0 > 0 ? row * G - u0 : 0;
+      const int64_t ub = (row + 1) * G - u0 < np ? (row + 1) * G - u0 : np;
+      const int64_t n = n_of(ua);
+      auto mine = [ua, ub](int64_t u) { return u >= ua && u < ub; };
+      for (int64_t j0 = t0; j0 < n; j0 += step)
+        fn(row, j0, n - j0 < step ? n - j0 : step, ua / kTile, (ub - 1) / kTile + 1, mine);
+    }
+  };
   // Pass 1, shared keys.
   for (int64_t j0 = kbeg; j0 < n_sh; j0 += kTile) {
     const int64_t nk = n_sh - j0 < kTile ? n_sh - j0 : kTile;
     for (int64_t t = 0; t < nk; ++t) std::memcpy(kst + t * hdp, a.kv.k(a.layer, j0 + t) + kvh * hd, size_t(hd) * 2);
     score_block(j0, nk, 0, nblk, all_pairs);
   }
-  // Pass 1, each tree row's own keys (its pairs are consecutive: u = row · G + g).
-  auto row_pairs = [&](int64_t row, int64_t& ua, int64_t& ub) {
-    ua = row * G - u0 > 0 ? row * G - u0 : 0;
-    ub = (row + 1) * G - u0 < np ? (row + 1) * G - u0 : np;
-  };
-  const int64_t r_first = u0 / G, r_last = (u1 - 1) / G;
-  if (t0 < n_max)
-    for (int64_t row = r_first; row <= r_last; ++row) {
-      int64_t ua, ub;
-      row_pairs(row, ua, ub);
-      const int64_t n = n_of(ua);
-      auto mine = [&](int64_t u) { return u >= ua && u < ub; };
-      for (int64_t j0 = t0; j0 < n; j0 += kTile) {
-        const int64_t nk = n - j0 < kTile ? n - j0 : kTile;
-        for (int64_t t = 0; t < nk; ++t)
-          std::memcpy(kst + t * hdp, a.kv.k(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd, size_t(hd) * 2);
-        score_block(j0, nk, ua / kTile, (ub - 1) / kTile + 1, mine);
-      }
-    }
+  // Pass 1, each tree row's own keys.
+  tree_blocks(kTile, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
+    for (int64_t t = 0; t < nk; ++t)
+      std::memcpy(kst + t * hdp, a.kv.k(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd, size_t(hd) * 2);
+    score_block(j0, nk, b0, b1, mine);
+  });
 
   // Pass 2: per pair, over its own keys of this segment.
   for (int64_t u = 0; u < np; ++u) {
@@ -269,18 +268,10 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     stage_v(nk, [&](int64_t t) { return a.kv.v(a.layer, j0 + t) + kvh * hd; });
     for (int64_t b = 0; b < nblk; ++b) value_block(j0, b, all_pairs);
   }
-  if (t0 < n_max)
-    for (int64_t row = r_first; row <= r_last; ++row) {
-      int64_t ua, ub;
-      row_pairs(row, ua, ub);
-      const int64_t n = n_of(ua);
-      auto mine = [&](int64_t u) { return u >= ua && u < ub; };
-      for (int64_t j0 = t0; j0 < n; j0 += kVKeys) {
-        const int64_t nk = n - j0 < kVKeys ? n - j0 : kVKeys;
-        stage_v(nk, [&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd; });
-        for (int64_t b = ua / kTile; b <= (ub - 1) / kTile; ++b) value_block(j0, b, mine);
-      }
-    }
+  tree_blocks(kVKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
+    stage_v(nk, [&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd; });
+    for (int64_t b = b0; b < b1; ++b) value_block(j0, b, mine);
+  });
   _tile_release();
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).

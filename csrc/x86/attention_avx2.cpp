@@ -299,8 +299,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t stride = a.kv.row_elems();
   // This call's keys: segment [kbeg, kcap) up to the last row's position.
   const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
-  int64_t n_max = attn_max_keys(a, u0 / G, (u1 - 1) / G + 1);
-  if (n_max > kcap) n_max = kcap;
+  const int64_t n_max = attn_unit_keys(a, u0, u1, seg);
   if (n_max <= kbeg) return;
   // Keys [kbeg, n_sh) are streamed for all pairs; a tree row's keys [t0, n) after them (its
   // path, plus < 8 prefix keys) are gathered per row into tbuf. Linear: n_sh = n_max.

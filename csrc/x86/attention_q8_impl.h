@@ -191,8 +191,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   const int64_t np = u1 - u0;
   if (np <= 0) return;
   const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
-  int64_t n_max = attn_max_keys(a, u0 / G, (u1 - 1) / G + 1);
-  if (n_max > kcap) n_max = kcap;
+  const int64_t n_max = attn_unit_keys(a, u0, u1, seg);
   if (n_max <= kbeg) return;
   // keys [kbeg, n_sh) are shared by every pair; a tree row's keys [t0, n) are its own
   const int64_t n_sh = attn_shared_end(a, n_max);
