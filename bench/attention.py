@@ -43,14 +43,14 @@ def model_shape(model: str | None) -> tuple[str, tuple[int, int, int, int]]:
 
 
 def run(args) -> list[dict]:
-    threads = setup(args)
-    ctx = print_header(args, "Attention per path: decode / verify / prefill shapes (synthetic cache)")
-    label, (heads, kv_heads, hd, layers) = model_shape(args.model)
     usable = _C.attn_paths()
     paths = args.paths or [p for p in usable if p != "ref"] or ["ref"]
     bad = [p for p in paths if p not in usable]
     if bad:
         raise SystemExit(f"bench: error: attention path(s) {', '.join(bad)} not usable here (usable: {', '.join(usable)})")
+    label, (heads, kv_heads, hd, layers) = model_shape(args.model)
+    threads = setup(args)
+    ctx = print_header(args, "Attention per path: decode / verify / prefill shapes (synthetic cache)")
     contexts = args.contexts or ([512, 2048] if args.quick else [512, 2048, 8192])
     ms = sorted(set([1] + (args.ms or ([1, 5] if args.quick else [1, 5, 9, 16]))))
     reps = args.reps or (3 if args.quick else 7)
