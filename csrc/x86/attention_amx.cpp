@@ -238,7 +238,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     }
   };
   // Weight parts of keys [j0, j0 + 32) for tile block b, pairs that `want` (others zero), then
-  // the block's tiles: C (the pairs' sums of 16 columns) += Σ_part A_part · B.
+  // per 16 columns: C = Σ_part A_part · B from zero, added to the pairs' running sums.
   auto value_block = [&](int64_t j0, int64_t b, auto&& want) {
     std::memset(wst, 0, size_t(h_w) * 2);
     for (int64_t pr = 0; pr < kTile && b * kTile + pr < np; ++pr) {
