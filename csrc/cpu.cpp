@@ -65,6 +65,7 @@ CpuFeatures probe() {
     f.avx512dq = b & (1u << 17);
     f.avx512bw = b & (1u << 30);
     f.avx512vl = b & (1u << 31);
+    f.avx512_vbmi = c & (1u << 1);
     f.avx512_vnni = c & (1u << 11);
     f.avx512_fp16 = d & (1u << 23);
     f.amx_bf16 = d & (1u << 22);
@@ -87,7 +88,7 @@ Isa detect(const CpuFeatures& f) {
 #endif
   const bool avx512 = avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   const bool bf16 = avx512 && f.avx512_bf16;
-  const bool amx = bf16 && f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permitted;
+  const bool amx = bf16 && f.avx512_vbmi && f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permitted;
   if (amx) return Isa::amx;
   if (bf16) return Isa::avx512_bf16;
   if (avx512) return Isa::avx512;

@@ -356,14 +356,6 @@ std::atomic<bool>& vnni_enabled() {
   static std::atomic<bool> on{true};
   return on;
 }
-
-bool amx_int8() {
-#ifdef QSPEC_ISA_EMULATION
-  return true;  // the test build emulates TDPBSSD
-#else
-  return cpu_features().amx_int8;
-#endif
-}
 }  // namespace
 
 bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
@@ -385,9 +377,8 @@ bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
     case GemmPath::avx512: return isa >= int(Isa::avx512);
     case GemmPath::avx512_bf16: return isa >= int(Isa::avx512_bf16) && w.fmt == WFormat::bf16;
     // Tiles for every M of BF16 weights: decode, verify and prefill share one path (gemm.h);
-    // AMX-INT8 for MXFP4 (bit-identical to its other paths).
-    case GemmPath::amx:
-      return isa >= int(Isa::amx) && (w.fmt == WFormat::bf16 || (w.fmt == WFormat::mxfp4 && amx_int8()));
+    // MXFP4 decoded to BF16 B tiles (gemm_q4_amx.cpp).
+    case GemmPath::amx: return isa >= int(Isa::amx) && (w.fmt == WFormat::bf16 || w.fmt == WFormat::mxfp4);
   }
   return false;
 }
@@ -441,7 +432,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
     if (v.size() < size_t(n)) v.resize(size_t(n));
   };
   const bool bf16_act = p == GemmPath::avx512_bf16 || p == GemmPath::amx;
-  if (a.kind == detail::kQ4 || a.kind == detail::kQ6) {
+  if (!bf16_act && (a.kind == detail::kQ4 || a.kind == detail::kQ6)) {
     fit(xq, m * a.kp);
     fit(xd, m * a.kp / kKBlk);
     fit(xc, m * a.kp / kKBlk);

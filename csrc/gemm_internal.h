@@ -72,7 +72,7 @@ void gemm_blocks_mx_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* a
 void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_q4_vnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ4, AVX512-VNNI
-void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);   // kQ4, AMX-INT8
+void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);   // kQ4, AMX-BF16 tiles
 
 // Q8 activation quantization (per 32-block of a row); every implementation is bit-identical.
 void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,

@@ -33,8 +33,11 @@ PATH_VS_REF_TOL = {             # [path][format]
     "avx2": {fmt: EXACT for fmt in ALL_FORMATS},
     "avx512": {fmt: EXACT for fmt in ALL_FORMATS},
     "avx512_bf16": {"bf16": BF16_ACTIVATIONS},
-    "amx": {"bf16": BF16_ACTIVATIONS, "mxfp4": EXACT},  # AMX-INT8: the same exact integer dots
+    "amx": {"bf16": BF16_ACTIVATIONS},  # MXFP4: its own oracle (assert_mxfp4_amx)
 }
+# amx MXFP4: BF16 tiles over exactly decoded weights, so the oracle is float64 bf16(x) . W with
+# fp32 tile sums (no Q8 rounding, unlike ref); blocks 2^126 below their column's largest drop out.
+AMX_MXFP4_TOL = 1e-5
 
 
 def bf16_bits(a):
@@ -138,14 +141,14 @@ def test_paths_and_dispatch():
     if not info["features"]["avx512f"] and not info["isa_emulation"]:
         assert not {"avx512", "avx512_bf16", "amx"} & set(paths)
     # decode / verify range: one path whatever M (docs/architecture.md invariant 2), except for
-    # MXFP4, whose paths all compute the same exact integer dots (bit-identical: tested below)
+    # MXFP4 at the amx level (a draft format: VNNI below 9 rows, BF16 tiles from 9 on)
     for fmt in ["bf16", "mxfp4", "mxfp8_e4m3"]:
         w = pw if fmt == "bf16" else _C.pack_mx(fmt, np.zeros((16, 32), np.uint8), np.zeros((16, 1), np.uint8), 32)
         chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}
         assert chosen <= set(_C.gemm_paths(w, 1))
-        if info["isa_selected"] == "amx":  # tiles for BF16 at every M, AMX-INT8 for MXFP4 from 4 rows
+        if info["isa_selected"] == "amx":  # tiles for BF16 at every M, for MXFP4 from 9 rows
             if fmt == "mxfp4":
-                assert [_C.gemm_choose(w, m) for m in (1, 3, 4, 65)] == ["avx512", "avx512", "amx", "amx"]
+                assert [_C.gemm_choose(w, m) for m in (1, 8, 9, 65)] == ["avx512", "avx512", "amx", "amx"]
             else:
                 assert chosen == {"amx" if fmt == "bf16" else "avx512"}
         elif fmt != "mxfp4":
@@ -155,8 +158,8 @@ def test_paths_and_dispatch():
 
 def test_mxfp4_vnni_and_maddubs_paths_equal_ref(rng):
     """The avx512 path's two integer-dot instructions (vpdpbusd where the CPU has AVX512-VNNI,
-    else vpmaddubsw) give ref's bits at every tile shape; so do AMX-INT8 tiles (M up to 40:
-    one and two row tiles, then a second chunk of 32 rows)."""
+    else vpmaddubsw) give ref's bits at every tile shape; the amx path (BF16 tiles) meets its
+    float64 oracle at M up to 40: one and two row tiles, then a second chunk of 32 rows."""
     pw, w = make_weight(rng, "mxfp4", 72, 1000)
     if "avx512" not in _C.gemm_paths(pw, 1):
         pytest.skip("no avx512 path on this CPU")
@@ -172,7 +175,35 @@ def test_mxfp4_vnni_and_maddubs_paths_equal_ref(rng):
             finally:
                 _C.set_mx_vnni(old)
         if "amx" in _C.gemm_paths(pw, m):
-            np.testing.assert_array_equal(_C.gemm(pw, x, path="amx"), yref, err_msg=f"m={m} amx")
+            assert_mxfp4_amx(_C.gemm(pw, x, path="amx"), x, w)
+
+
+def test_mxfp4_amx_scale_range(rng):
+    """amx MXFP4 folds each block's scale into BF16 weights relative to the column's largest
+    scale S: a block 126 or more binades below S drops out (never wraps into garbage), blocks
+    far below S are still exact, a NaN scale (0xFF) makes its column NaN."""
+    n, k = 48, 256
+    codes, scales = random_mx(rng, "mxfp4", n, k, scale_lo=60, scale_hi=200)
+    scales[0, :] = [200, 75, 74, 130, 140, 0, 199, 1]   # blocks 2, 5, 7 are 126+ below 200
+    codes[1, :32] = 0                                   # the largest scale's block is all zeros:
+    scales[1, :] = [200, 100, 100, 101, 102, 100, 103, 100]  # the rest, ~100 below it, is exact
+    scales[2, 3] = 255
+    pw = _C.pack_mx("mxfp4", codes, scales, k)
+    if "amx" not in _C.gemm_paths(pw, 1):
+        pytest.skip("no amx level here")
+    w = dequant("mxfp4", codes, scales, k)
+    for m in (1, 5, 17):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = _C.gemm(pw, x, path="amx")
+        assert np.isnan(y[:, 2]).all() and np.isfinite(np.delete(y, 2, axis=1)).all()
+        rows = np.delete(np.arange(n), 2)
+        xb = bf16_values(bf16_bits(x)).astype(np.float64)
+        dropped = np.zeros((m, n))
+        for b in (2, 5, 7):
+            sl = slice(32 * b, 32 * b + 32)
+            dropped[:, 0] += np.abs(xb[:, sl]) @ np.abs(w[0, sl])
+        assert_mxfp4_amx(y[:, rows], x, w[rows], allowed=dropped[:, rows])
+        np.testing.assert_allclose(y[:, 1], xb @ w[1], rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -314,7 +345,17 @@ def test_special_values(rng):
 # ------------------------------------------------------------------------ fast paths vs ref
 
 
+def assert_mxfp4_amx(y, x, w, allowed=0.0):
+    """amx MXFP4 against float64 bf16(x) . W (allowed: extra error, e.g. dropped blocks)."""
+    xb = bf16_values(bf16_bits(x)).astype(np.float64)
+    bound = AMX_MXFP4_TOL * (np.abs(xb) @ np.abs(w).T) + allowed + 1e-30
+    err = np.abs(y.astype(np.float64) - xb @ w.T)
+    assert (err <= bound).all(), float((err / bound).max())
+
+
 def assert_close_to_ref(path, fmt, y, yref, x, w):
+    if (path, fmt) == ("amx", "mxfp4"):
+        return assert_mxfp4_amx(y, x, w)
     tol = PATH_VS_REF_TOL[path][fmt]
     if tol == 0.0:
         np.testing.assert_array_equal(y, yref, err_msg=path)

@@ -8,8 +8,8 @@
 // unchanged. The few intrinsics SIMDe 0.8 lacks are spelled out below with the semantics of
 // the Intel SDM (and, for the horizontal sum, GCC's own order of operations).
 // AMX: eight software tile registers per thread, configured by the 64-byte TILECFG layout;
-// TDPBF16PS follows the SDM pseudo-code (fp32 products of bf16 pairs, even element first);
-// TDPBSSD sums signed byte products into int32. AVX512-VNNI (vpdpbusd) comes from SIMDe.
+// TDPBF16PS follows the SDM pseudo-code (fp32 products of bf16 pairs, even element first).
+// AVX512-VNNI (vpdpbusd) and VBMI (vpermb) come from SIMDe.
 #pragma once
 #include <immintrin.h>
 
@@ -146,27 +146,6 @@ inline void tile_dpbf16ps(int c, int a, int b) {
   }
 }
 
-// C[m][n] += sum over k of A.s8[m][4k+i] * B.s8[k][4n+i], i = 0..3 (exact int32, wrapping as the
-// hardware does). Shapes as TDPBF16PS.
-inline void tile_dpbssd(int c, int a, int b) {
-  check_tile(c);
-  check_tile(a);
-  check_tile(b);
-  TileRegs& r = tiles();
-  if (r.rows[c] != r.rows[a] || r.colsb[c] != r.colsb[b] || r.colsb[a] % 4 != 0 || r.colsb[a] / 4 != r.rows[b])
-    throw std::logic_error("emulated AMX: tdpbssd tile shapes disagree");
-  for (int m = 0; m < r.rows[c]; ++m) {
-    int32_t acc[16];
-    std::memcpy(acc, r.data[c][m], 64);
-    for (int k = 0; k < r.colsb[a] / 4; ++k)
-      for (int n = 0; n < r.colsb[c] / 4; ++n)
-        for (int i = 0; i < 4; ++i)
-          acc[n] = int32_t(uint32_t(acc[n]) + uint32_t(int32_t(int8_t(r.data[a][m][4 * k + i])) *
-                                                     int32_t(int8_t(r.data[b][k][4 * n + i]))));
-    std::memcpy(r.data[c][m], acc, 64);
-  }
-}
-
 }  // namespace qspec_emu
 
 #undef _mm512_mask_loadu_ps
@@ -194,5 +173,3 @@ inline void tile_dpbssd(int c, int a, int b) {
 #define _tile_stored(t, base, stride) qspec_emu::tile_stored(t, base, stride)
 #undef _tile_dpbf16ps
 #define _tile_dpbf16ps(c, a, b) qspec_emu::tile_dpbf16ps(c, a, b)
-#undef _tile_dpbssd
-#define _tile_dpbssd(c, a, b) qspec_emu::tile_dpbssd(c, a, b)

@@ -75,13 +75,10 @@ static inline __m512i q4_slab(const uint8_t* p, __m512i lut) {
   const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
   return _mm512_shuffle_epi8(lut, _mm512_and_si512(both, _mm512_set1_epi8(0x0F)));
 }
-// LUTs of q4_slab: 2*E2M1 + 12 as unsigned bytes (the vpmaddubsw / vpdpbusd operand; 12*sum(q) is
-// taken off per block), and 2*E2M1 as signed bytes (AMX TDPBSSD).
+// LUT of q4_slab: 2*E2M1 + 12 as unsigned bytes (the vpmaddubsw / vpdpbusd operand; 12*sum(q) is
+// taken off per block).
 static inline __m512i q4_lut_biased() {
   return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-}
-static inline __m512i q4_lut_signed() {
-  return _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
 }
 
 }  // namespace avx512
