@@ -114,8 +114,8 @@ struct Decoder {
 // Per word of a B row: (S_n - e) << 7, or all ones (the block drops out) when S_n - e > 125.
 inline __m512i exponent_drop(__m128i smax, const uint8_t* e) {
   const __m128i d = _mm_sub_epi8(smax, _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
-  const __mmask16 gone = _mm_cmpgt_epu8_mask(d, _mm_set1_epi8(125));
   const __m512i dd = _mm512_cvtepu8_epi32(d);
+  const __mmask16 gone = _mm512_cmpgt_epi32_mask(dd, _mm512_set1_epi32(125));
   const __m512i sh = _mm512_or_si512(_mm512_slli_epi32(dd, 7), _mm512_slli_epi32(dd, 23));
   return _mm512_mask_mov_epi32(sh, gone, _mm512_set1_epi32(-1));
 }
@@ -125,7 +125,7 @@ inline void decode_block(const Decoder& dc, const uint8_t* w, __m512i drop, uint
   const __m512i low4 = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi16(0x1000);
   for (int g = 0; g < 8; ++g) {
     __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g)));
-    v = _mm512_mask_srli_epi16(v, __mmask32(0xFFFF0000u), v, 4);  // upper half: the high nibbles
+    v = _mm512_mask_blend_epi16(__mmask32(0xFFFF0000u), v, _mm512_srli_epi16(v, 4));  // upper half: high nibbles
     const __m512i codes = _mm512_and_si512(v, low4);              // the 64 codes, byte 4n + c
     for (int h = 0; h < 2; ++h) {
       const __m512i t = _mm512_or_si512(_mm512_permutexvar_epi8(dc.place[h], codes), high);
