@@ -26,9 +26,14 @@
 // streamed for all pairs; each row's remaining logical keys are gathered from their slots into
 // the same 32-key blocks from key 0, so a tree row's arithmetic is a linear row's at its position.
 //
-// Not yet run on AMX hardware: checked against the float64 oracle and for batch invariance and
-// tree == linear rows under emulation (tests/test_isa_emulation.py, software tiles per the SDM
-// pseudo-code), which checks the code, not the speed or TDPBF16PS's own rounding.
+// Checked against the float64 oracle, for batch invariance and tree == linear rows on a Sapphire
+// Rapids VM and under emulation (tests/test_isa_emulation.py). Speed there (`qspec bench
+// attention`, 2 threads): level with the AVX-512 path (0.84-1.05x its time at 5-16 rows, 1.1-1.2x
+// at one row), ~130 GFLOP/s at 16 rows, far below the tiles' peak. Tried there and measured no
+// faster, so not kept: one BF16 part for q and the weights (a third of the TDPBF16PS), K read in
+// place from the cache, all four K chunks held in tiles, software prefetch, a vectorized q split,
+// AVX-512 V staging; the profile was spread over the strided K/V row loads, the per-pair score
+// gathers and maxima, and the V-sum tile loads/stores of each 256-key unit.
 #include <immintrin.h>
 
 #include <cmath>
