@@ -360,6 +360,16 @@ std::atomic<bool>& vnni_enabled() {
 
 bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
 
+namespace {
+std::atomic<bool>& tiles_enabled() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+}  // namespace
+
+bool set_mx_tiles(bool enabled) { return tiles_enabled().exchange(enabled); }
+bool mx_tiles() { return tiles_enabled().load(std::memory_order_relaxed); }
+
 bool mx_vnni() {
 #ifdef QSPEC_ISA_EMULATION
   const bool have = true;  // the test build emulates vpdpbusd (csrc/emu/isa_emulation.h)
@@ -385,7 +395,7 @@ bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
 
 GemmPath gemm_choose(const PackedWeight& w, int64_t m) {
   for (int p = int(GemmPath::amx); p > int(GemmPath::ref); --p) {
-    if (p == int(GemmPath::amx) && w.fmt == WFormat::mxfp4 && m < kAmxQ4MinRows) continue;
+    if (p == int(GemmPath::amx) && w.fmt == WFormat::mxfp4 && !mx_tiles()) continue;
     if (gemm_supports(GemmPath(p), w, m)) return GemmPath(p);
   }
   return GemmPath::ref;

@@ -28,7 +28,7 @@
 //
 // Paths per ISA level (gemm_choose). The amx level serves BF16 weights with tiles at every M
 // (decode, verify and prefill: each C row comes from its own x row only, so a row's bits do not
-// depend on M); MXFP4 takes BF16 tiles from kAmxQ4MinRows rows on (below: the avx512 path),
+// depend on M); MXFP4 takes the avx512 path, or BF16 tiles at every M after set_mx_tiles(true),
 // the other MX formats keep the avx512 paths. Below the amx level every M takes that level's
 // path for the format (BF16: avx512_bf16, avx512 or avx2).
 //   mxfp4         x quantized per 32-block to int8 (Q8: d = max|x|/127, q = rne(x/d)); per block
@@ -37,8 +37,7 @@
 //                 amx: x rounded to bf16, the weights decoded exactly into BF16 tiles relative
 //                 to each output's largest block scale, fp32 tile sums over all of K
 //                 (gemm_q4_amx.cpp): a draft path, within a stated bound of float64, not ref's
-//                 bits. Drafts are exempt from bit equality (invariant 2), so MXFP4's path may
-//                 change with M; a given M always takes the same path.
+//                 bits (invariant 2 exempts drafts), taken at every M or at none (set_mx_tiles).
 //   mxfp6_e2m3    as mxfp4 (same Q8 activations) with the exact integer dot sum(8*e2m3 * q),
 //                 then y = fma(float(isum), e8m0 * (d/2 * 0.25), y). Bit-identical to ref.
 //   E3M2/FP8/INT8 per block b = fma chain over the 32 k (element decoded exactly, shifted by
@@ -94,12 +93,18 @@ GemmPath gemm_path_from_name(const std::string& name);  // throws std::invalid_a
 bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m);
 // The path the dispatcher takes for this weight and M at the selected ISA level.
 GemmPath gemm_choose(const PackedWeight& w, int64_t m);
-// MXFP4 rows from which the amx level uses BF16 tiles (fewer: the avx512 path). The tile path
-// decodes every block to BF16 once per pass (~0.05 ns per weight per core on a Sapphire Rapids
-// core, compute-bound), VNNI pays per row: on the 2-core Xeon VM measured (`qspec bench kernels`,
-// Qwen2.5-Coder-1.5B shapes, 2 threads) VNNI is faster up to 8 rows, tiles from 9 on (d(16)
-// 2.9 vs 4.9). Where a core has less bandwidth (a many-core socket) the tiles win earlier.
-constexpr int64_t kAmxQ4MinRows = 9;
+// MXFP4 at the amx level: BF16 tiles (set_mx_tiles(true)) or the avx512 path (default), the
+// same path for every M either way, so a draft row's bits never depend on how many rows (or
+// sequences) share its pass: seeded sampling stays reproducible under any server load. The tile
+// path decodes every block once per pass (~0.05 ns a weight a core, compute-bound) and then pays
+// almost nothing per row; VNNI pays per row. Measured on a 2-core Sapphire Rapids VM (~15 GB/s
+// of DRAM a core; `qspec bench kernels`, Qwen2.5-Coder-1.5B shapes, 2 threads): tiles cost 1.9
+// one-row VNNI passes at one row, 2.1-2.4 at 8 rows and 2.5-2.9 at 16 (VNNI: 2.0-2.4 and 4.3-4.9),
+// so chains, which are one-row passes, keep VNNI there. On a many-core socket (4-5 GB/s a core)
+// the decode hides under the weight stream and the tiles are the better choice at every M.
+// Returns the previous setting.
+bool set_mx_tiles(bool enabled);
+bool mx_tiles();
 
 // The avx512 path sums MXFP4 x Q8 products with vpdpbusd when the CPU has AVX512-VNNI (same bits
 // as vpmaddubsw). set_mx_vnni(false) forces vpmaddubsw (tests, A/B benchmarks); returns the

@@ -140,19 +140,20 @@ def test_paths_and_dispatch():
         assert "avx2" in paths
     if not info["features"]["avx512f"] and not info["isa_emulation"]:
         assert not {"avx512", "avx512_bf16", "amx"} & set(paths)
-    # decode / verify range: one path whatever M (docs/architecture.md invariant 2), except for
-    # MXFP4 at the amx level (a draft format: VNNI below 9 rows, BF16 tiles from 9 on)
+    # decode / verify range: one path whatever M (docs/architecture.md invariant 2)
     for fmt in ["bf16", "mxfp4", "mxfp8_e4m3"]:
         w = pw if fmt == "bf16" else _C.pack_mx(fmt, np.zeros((16, 32), np.uint8), np.zeros((16, 1), np.uint8), 32)
         chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}
         assert chosen <= set(_C.gemm_paths(w, 1))
-        if info["isa_selected"] == "amx":  # tiles for BF16 at every M, for MXFP4 from 9 rows
+        assert len(chosen) == 1, chosen
+        if info["isa_selected"] == "amx":  # tiles for BF16; MXFP4 on tiles only when asked
+            assert chosen == {"amx" if fmt == "bf16" else "avx512"}
             if fmt == "mxfp4":
-                assert [_C.gemm_choose(w, m) for m in (1, 8, 9, 65)] == ["avx512", "avx512", "amx", "amx"]
-            else:
-                assert chosen == {"amx" if fmt == "bf16" else "avx512"}
-        elif fmt != "mxfp4":
-            assert len(chosen) == 1, chosen
+                old = _C.set_mx_tiles(True)
+                try:
+                    assert {_C.gemm_choose(w, m) for m in range(1, 65)} == {"amx"}
+                finally:
+                    _C.set_mx_tiles(old)
     assert isinstance(_C.PACK_LAYOUT_VERSION, int)
 
 

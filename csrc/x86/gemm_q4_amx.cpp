@@ -1,4 +1,4 @@
-// MXFP4 on AMX-BF16 tiles: the draft's passes at the amx level (gemm_choose, gemm.h).
+// MXFP4 on AMX-BF16 tiles: the draft's passes at the amx level after set_mx_tiles(true) (gemm.h).
 //
 // The block scale is what keeps MX weights off the tiles: it changes every 32 k, and a tile sums
 // over k. Folded into the weights it no longer does. Per row block (16 outputs) let S_n be the
