@@ -19,7 +19,7 @@
 // exact weights (blocks under 2^-125 of their column's largest dropped, BF16 denormals read as
 // zero by the tiles), fp32 sums in the tile's order, times 2^(S_n - 127). Not ref's Q8 arithmetic:
 // drafts are exempt from bit equality (invariant 2); each row's C row reads only its own A row,
-// so a row's bits depend on its inputs and on nothing else, and the same M gives the same bits.
+// so a row's bits depend on its own inputs only, whatever M is (tests/test_native_model.py).
 #include <immintrin.h>
 
 #include <cstdint>
