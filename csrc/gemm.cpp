@@ -356,17 +356,13 @@ std::atomic<bool>& vnni_enabled() {
   static std::atomic<bool> on{true};
   return on;
 }
-}  // namespace
-
-bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
-
-namespace {
 std::atomic<bool>& tiles_enabled() {
   static std::atomic<bool> on{false};
   return on;
 }
 }  // namespace
 
+bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
 bool set_mx_tiles(bool enabled) { return tiles_enabled().exchange(enabled); }
 bool mx_tiles() { return tiles_enabled().load(std::memory_order_relaxed); }
 
