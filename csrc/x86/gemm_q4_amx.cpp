@@ -112,8 +112,9 @@ struct Decoder {
 };
 
 // Per word of a B row: (S_n - e) << 7, or all ones (the block drops out) when S_n - e > 125.
-inline __m512i exponent_drop(__m128i smax, const uint8_t* e) {
-  const __m128i d = _mm_sub_epi8(smax, _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
+inline __m512i exponent_drop(const uint8_t* smax, const uint8_t* e) {
+  const __m128i d = _mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(smax)),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
   const __m512i dd = _mm512_cvtepu8_epi32(d);
   const __mmask16 gone = _mm512_cmpgt_epi32_mask(dd, _mm512_set1_epi32(125));
   const __m512i sh = _mm512_or_si512(_mm512_slli_epi32(dd, 7), _mm512_slli_epi32(dd, 23));
@@ -147,13 +148,11 @@ void q4_rows(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1, int
   alignas(16) uint8_t smax[4][16];
   for (int64_t nb = nb0; nb < nb1; nb += nbb) {
     const int nbn = int(nb1 - nb < nbb ? nb1 - nb : nbb);
-    __m128i sm[4];
     for (int j = 0; j < nbn; ++j) {  // S_n: each output's largest scale over K
       const uint8_t* s = a.scales + (nb + j) * kb * kRows;
       __m128i m = _mm_setzero_si128();
       for (int64_t b = 0; b < kb; ++b)
         m = _mm_max_epu8(m, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b * kRows)));
-      sm[j] = m;
       _mm_store_si128(reinterpret_cast<__m128i*>(smax[j]), m);
     }
     for (int t = 0; t < mt * nbb; ++t)
@@ -166,7 +165,7 @@ void q4_rows(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1, int
         _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 64), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 128), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 192), _MM_HINT_T0);
-        decode_block(dc, w, exponent_drop(sm[j], a.scales + ((nb + j) * kb + b) * kRows), bt[j]);
+        decode_block(dc, w, exponent_drop(smax[j], a.scales + ((nb + j) * kb + b) * kRows), bt[j]);
       }
       for (int i = 0; i < mt; ++i) {
         load_a(i, a.xbf + (m0 + 16 * i) * a.kp + b * kKBlk, a.kp * 2);
