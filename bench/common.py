@@ -254,14 +254,17 @@ def copies_of(pw, nbytes: int) -> list:
 
 
 class Rotating:
-    """Calls fn(item) cycling through items: one call of the benchmark."""
+    """Calls fn(item) cycling through items: one call of the benchmark. Functions timed side by
+    side share one cursor (pass the first's `cursor`): every call reads the next copy, so no
+    function finds its weights in the cache because the one before it just read the same copy."""
 
-    def __init__(self, items, fn):
-        self.items, self.fn, self.i = items, fn, 0
+    def __init__(self, items, fn, cursor: list | None = None):
+        self.items, self.fn = items, fn
+        self.cursor = cursor if cursor is not None else [0]
 
     def __call__(self):
-        self.i = (self.i + 1) % len(self.items)
-        return self.fn(self.items[self.i])
+        self.cursor[0] = (self.cursor[0] + 1) % len(self.items)
+        return self.fn(self.items[self.cursor[0]])
 
 
 def spread(values) -> dict:

@@ -132,10 +132,11 @@ def run(args) -> list[dict]:
                     tx = torch.from_numpy(x).to(torch.bfloat16)
                     y = np.empty((m, n), np.float32)
                     paths = [p for p in _C.gemm_paths(ws[0], m) if p != "ref"]
-                    fns = {p: Rotating(ws, lambda w, p=p: _C.gemm(w, x, y, p)) for p in paths}
+                    cursor = [0]  # one rotation for every path of the case (common.Rotating)
+                    fns = {p: Rotating(ws, lambda w, p=p: _C.gemm(w, x, y, p), cursor) for p in paths}
                     if fmt == "mxfp4" and "avx512" in paths and _C.mx_vnni():
                         # the avx512 path's two integer-dot instructions, side by side
-                        fns["avx512_maddubs"] = Rotating(ws, lambda w: _maddubs(w, x, y))
+                        fns["avx512_maddubs"] = Rotating(ws, lambda w: _maddubs(w, x, y), cursor)
                         paths.append("avx512_maddubs")
                     with torch.inference_mode():
                         if tws:

@@ -88,7 +88,8 @@ Isa detect(const CpuFeatures& f) {
 #endif
   const bool avx512 = avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   const bool bf16 = avx512 && f.avx512_bf16;
-  const bool amx = bf16 && f.avx512_vbmi && f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permitted;
+  const bool amx = bf16 && f.avx512_vbmi && f.avx512_vnni && f.amx_tile && f.amx_bf16 && f.amx_int8 && f.os_amx &&
+                   f.amx_permitted;
   if (amx) return Isa::amx;
   if (bf16) return Isa::avx512_bf16;
   if (avx512) return Isa::avx512;

@@ -437,8 +437,18 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   auto fit = [](auto& v, int64_t n) {
     if (v.size() < size_t(n)) v.resize(size_t(n));
   };
-  const bool bf16_act = p == GemmPath::avx512_bf16 || p == GemmPath::amx;
-  if (!bf16_act && (a.kind == detail::kQ4 || a.kind == detail::kQ6)) {
+  const bool q4_tiles = p == GemmPath::amx && a.kind == detail::kQ4;
+  const bool bf16_act = p == GemmPath::avx512_bf16 || (p == GemmPath::amx && !q4_tiles);
+  if (q4_tiles) {  // two int8 parts per row (gemm_q4_amx.cpp)
+    a.kq = rup(a.kp, 64);
+    fit(xq, 2 * m * a.kq);
+    fit(xd, m);
+    fit(xc, 2 * m);
+    detail::quantize_x_i8x2(x, m, ldx, w.k, a.kq, xq.data(), xd.data(), xc.data());
+    a.xi8 = xq.data();
+    a.xrow = xd.data();
+    a.xsum = xc.data();
+  } else if (!bf16_act && (a.kind == detail::kQ4 || a.kind == detail::kQ6)) {
     fit(xq, m * a.kp);
     fit(xd, m * a.kp / kKBlk);
     fit(xc, m * a.kp / kKBlk);

@@ -46,6 +46,10 @@ struct GemmArgs {
   const int32_t* xc = nullptr;  // 12 * sum(q): the LUT adds 12 so codes are unsigned
   const uint16_t* xbf = nullptr;  // x rounded to bf16, [mpad][kp] (avx512_bf16 / amx)
   int64_t mpad = 0;               // rows of xbf: M, or for amx M > 1 rounded up to 16 (zero rows)
+  const int8_t* xi8 = nullptr;    // amx MXFP4: x in two int8 parts, [2][m][kq] (hi rows, then lo rows)
+  const float* xrow = nullptr;    // amx MXFP4: per row, 1 / (128 * 127 / max|x|) (NaN: a non-finite x)
+  const int32_t* xsum = nullptr;  // amx MXFP4: per part and row, the sum of its int8 codes, [2][m]
+  int64_t kq = 0;                 // amx MXFP4: kp rounded up to 64 (one TDPBSSD's k), zero-filled
   float* y = nullptr;
   int64_t ldy = 0;
   int64_t prefetch = 0;  // software prefetch distance in bytes of a row block's stream (0: default)
@@ -72,7 +76,10 @@ void gemm_blocks_mx_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* a
 void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_q4_vnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ4, AVX512-VNNI
-void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);   // kQ4, AMX-BF16 tiles
+void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);   // kQ4, AMX-INT8 tiles / VNNI
+// x rows -> xi8 / xrow of the amx MXFP4 kernel (gemm_q4_amx.cpp)
+void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kq, int8_t* out, float* rowf,
+                     int32_t* sums);
 
 // Q8 activation quantization (per 32-block of a row); every implementation is bit-identical.
 void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,

@@ -1,29 +1,34 @@
-// MXFP4 on AMX-BF16 tiles: the draft's passes at the amx level after set_mx_tiles(true) (gemm.h).
+// MXFP4 on AMX-INT8 tiles: the draft's passes at the amx level after set_mx_tiles(true) (gemm.h).
 //
 // The block scale is what keeps MX weights off the tiles: it changes every 32 k, and a tile sums
-// over k. Folded into the weights it no longer does. Per row block (16 outputs) let S_n be the
-// largest E8M0 scale of output n over all of K; then w = e2m1 * 2^(e - 127) = (e2m1 * 2^-(S_n - e))
-// * 2^(S_n - 127), the first factor is an exact BF16 number (S_n - e <= 125), and the second is a
-// per-column factor applied once, to the fp32 C tile, after the whole K. Each MX block (16 outputs
-// x 32 k, 256 bytes) is decoded straight into a B tile in VNNI pairs (16 rows of 16 outputs x 2 k):
-//   codes -> bytes      one broadcast load, a masked shift and an and: 64 nibbles as bytes
-//   bytes -> B row      vpermb places each code in both bytes of its BF16 word (16 added to the
-//                       high byte's), a second vpermb looks both up in a 32-entry table (E2M1
-//                       as BF16, both zeros as +0); vpsubusw takes (S_n - e) << 7
-//                       off the exponent (zeros saturate to zero; a block 2^126 or more below
-//                       its column's largest is dropped: the whole word saturates to zero)
-// so a block costs 4 permutes per 64 weights, once per pass, whatever M is; the rows then cost one
-// TDPBF16PS per 32 k and 16 outputs in a 16-row tile. x is rounded to BF16 (RNE) once per pass.
+// over k. Folded into integer weights it no longer does. Per row block (16 outputs) let S_n be
+// the largest E8M0 scale of output n over all of K and d = S_n - e the binades a block lies below
+// it; then w = e2m1 * 2^(e - 127) = (e2m1 * 2^(4 - d)) * 2^(S_n - 131), and e2m1 * 2^(4 - d) is
+// an integer in [-96, 96] for d <= 3: 99.9% of the blocks of real checkpoints (Qwen2.5-Coder-1.5B
+// cast to MXFP4: d = 0 36%, 1 57%, 2 7%, 3 0.4%, 4+ 0.09%). Blocks with d = 4..6 are rounded to
+// the nearest integer (ties to even), blocks 7 or more binades down drop out. The per-output
+// factor 2^(S_n - 131) is applied once, to the int32 C tile, after the whole K.
 //
-// What it computes (tests/test_gemm.py holds it to a float64 oracle): y = sum_k bf16(x_k) * w_k,
-// exact weights (blocks under 2^-125 of their column's largest dropped, BF16 denormals read as
-// zero by the tiles), fp32 sums in the tile's order, times 2^(S_n - 127). Not ref's Q8 arithmetic:
-// drafts are exempt from bit equality (invariant 2); each row's C row reads only its own A row,
-// so a row's bits depend on its own inputs only, whatever M is (tests/test_native_model.py).
+// Decode, per slab of 64 weights (16 outputs x 4 k: exactly one row of a TDPBSSD B tile, bytes
+// 4n + c): a broadcast load, a vpsrlvw (high nibbles of outputs 8-15 down), a vpternlogd that
+// keeps the code and ors in d << 4 (min(d, 7): 7 is the all-zero table), and a vpermi2b through
+// a 128-entry table of e2m1 * 2^(4 - d): 3 ALU ops per 64 weights, once per pass whatever M is.
+//
+// x is quantized once per pass, per row, in two int8 parts: u = x * 127 / max|x|, hi = rne(u),
+// lo = rne((u - hi) * 128), so x = (hi + lo / 128) * max|x| / 127 within max|x| * 2^-8 / 127
+// (14 bits of the row's range). Per 16 rows x 16 outputs x 64 k: two TDPBSSD (hi, lo) into two
+// int32 C tiles; y = (128 C_hi + C_lo) * rowf_m * 2^(S_n - 131), rowf_m = 1 / (128 * 127 / max|x|).
+//
+// What it computes (tests/test_gemm.py emulates it in numpy): the integer sums are exact, so a
+// row's bits depend only on its own x row, never on M or the other rows (batch invariant in the
+// bits); not ref's Q8 arithmetic: drafts are exempt from bit equality with ref (invariant 2).
+// A row with a NaN or infinity gives a NaN row; a NaN block scale (0xFF) a NaN column.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "amx_tiles.h"
 #include "gemm_avx512.h"
@@ -33,169 +38,267 @@ namespace qspec {
 namespace detail {
 namespace {
 
-constexpr int kBTileWords = 16 * 32;  // one B tile: 16 rows of 32 BF16
+constexpr int kTileK = 64;               // k per TDPBSSD: 16 B rows of 4 k
+constexpr int kBTileBytes = 16 * 64;     // one B tile
+constexpr int kDropBinades = 7;          // d >= 7: the block drops out (all-zero table)
+constexpr int kBias = 96;                // |weight| <= 96: + 96 makes the vpdpbusd operand unsigned
+constexpr int kVnniRows = 4;             // rows <= this: vpdpbusd (q4_vnni), more: tiles (q4_rows)
 
-// Tiles 0-3: C (rows x 16 fp32); 4-5: A (rows x 32 bf16, row tiles 0 and 1); 6-7: B.
-// rows0 / rows1: the rows of row tile 0 / 1 (1..16).
-void configure_tiles(int mt, int nbb, int rows0, int rows1) {
+// Tiles 0-3: C (rows x 16 int32): block j hi = 2j, lo = 2j + 1; 4 / 5: A hi / lo; 6 / 7: B of block 0 / 1.
+void configure_tiles(int rows) {
   amx::TileConfig cfg = amx::tile_config();
-  for (int c = 0; c < 4; ++c) {
-    cfg.colsb[c] = 64;
-    cfg.rows[c] = uint8_t(mt == 2 && c >= nbb ? rows1 : rows0);
+  for (int t = 0; t < 6; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = uint8_t(rows);
   }
-  cfg.colsb[4] = cfg.colsb[5] = 64;
-  cfg.rows[4] = uint8_t(rows0);
-  cfg.rows[5] = uint8_t(mt == 2 ? rows1 : rows0);
   cfg.colsb[6] = cfg.colsb[7] = 64;
   cfg.rows[6] = cfg.rows[7] = 16;
   amx::load_tile_config(cfg);
 }
 
-// Tile numbers are literal tokens of the intrinsics: C tile t = i * nbb + j.
-inline void zero_c(int t) {
-  switch (t) {
-    case 0: _tile_zero(0); break;
-    case 1: _tile_zero(1); break;
-    case 2: _tile_zero(2); break;
-    default: _tile_zero(3); break;
-  }
-}
-inline void store_c(int t, float* c) {
-  switch (t) {
-    case 0: _tile_stored(0, c, 64); break;
-    case 1: _tile_stored(1, c, 64); break;
-    case 2: _tile_stored(2, c, 64); break;
-    default: _tile_stored(3, c, 64); break;
-  }
-}
-inline void load_a(int i, const uint16_t* p, int64_t stride) {
-  if (i == 0) _tile_loadd(4, p, stride);
-  else _tile_loadd(5, p, stride);
-}
-inline void load_b(int j, const uint16_t* p) {
-  if (j % 2 == 0) _tile_loadd(6, p, 64);
-  else _tile_loadd(7, p, 64);
-}
-// C(t) += A(i) . B(j % 2)
-inline void dot(int t, int i, int j) {
-#define QSPEC_TDP(c, a, b) \
-  if (t == c && i == a - 4 && j % 2 == b - 6) { _tile_dpbf16ps(c, a, b); return; }
-  QSPEC_TDP(0, 4, 6) QSPEC_TDP(0, 4, 7) QSPEC_TDP(1, 4, 6) QSPEC_TDP(1, 4, 7)
-  QSPEC_TDP(2, 4, 6) QSPEC_TDP(2, 4, 7) QSPEC_TDP(3, 4, 6) QSPEC_TDP(3, 4, 7)
-  QSPEC_TDP(2, 5, 6) QSPEC_TDP(2, 5, 7) QSPEC_TDP(3, 5, 6) QSPEC_TDP(3, 5, 7)
-#undef QSPEC_TDP
-}
-
-// The decoder's constants: per half h of a slab (k 4g + 2h, +1) the vpermb index that puts code
-// (n, 4g + 2h + j) in both bytes of word 2n + j, and the 32-entry byte table of E2M1 codes as BF16
-// (entries 0-15 the low bytes, 16-31 the high bytes: the high byte's index has 16 added).
+// The decoder's constants: the 128-byte table (index d << 4 | code), the per-word nibble shifts
+// (words 16-31 = outputs 8-15 take the high nibbles) and the vpermb index that repeats byte n
+// of a 16-byte vector at bytes 4n..4n+3.
 struct Decoder {
-  __m512i place[2];
-  __m512i table;
+  __m512i tab_lo, tab_hi, shifts, rep4;
+  __m512i utab_lo, utab_hi;  // the same values + kBias, as unsigned bytes (the vpdpbusd operand)
   Decoder() {
-    alignas(64) uint8_t idx[2][64];
-    for (int h = 0; h < 2; ++h)
-      for (int n = 0; n < 16; ++n)
-        for (int j = 0; j < 2; ++j)  // the code's byte in the slab (q4_slab order: 4n + c)
-          idx[h][2 * (2 * n + j)] = idx[h][2 * (2 * n + j) + 1] = uint8_t(4 * n + 2 * h + j);
-    static const uint16_t kMag[8] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0};
-    alignas(64) uint8_t tab[64] = {};
-    for (int c = 0; c < 16; ++c) {
-      const uint16_t v = (c & 7) ? uint16_t(kMag[c & 7] | ((c & 8) ? 0x8000 : 0)) : 0;  // -0 -> +0
-      tab[c] = uint8_t(v & 0xFF);
-      tab[16 + c] = uint8_t(v >> 8);
-    }
-    place[0] = _mm512_load_si512(idx[0]);
-    place[1] = _mm512_load_si512(idx[1]);
-    table = _mm512_load_si512(tab);
+    alignas(64) int8_t tab[128];
+    static const float kE2M1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (int d = 0; d < 8; ++d)
+      for (int c = 0; c < 16; ++c) {
+        const float v = d < kDropBinades ? std::nearbyint(std::ldexp(kE2M1[c & 7], 4 - d)) : 0.f;  // ties to even
+        tab[16 * d + c] = int8_t(c & 8 ? -v : v);
+      }
+    alignas(64) uint16_t sh[32];
+    for (int i = 0; i < 32; ++i) sh[i] = i < 16 ? 0 : 4;
+    alignas(64) uint8_t rep[64];
+    for (int i = 0; i < 64; ++i) rep[i] = uint8_t(i / 4);
+    tab_lo = _mm512_load_si512(tab);
+    tab_hi = _mm512_load_si512(tab + 64);
+    alignas(64) uint8_t utab[128];
+    for (int i = 0; i < 128; ++i) utab[i] = uint8_t(tab[i] + kBias);
+    utab_lo = _mm512_load_si512(utab);
+    utab_hi = _mm512_load_si512(utab + 64);
+    shifts = _mm512_load_si512(sh);
+    rep4 = _mm512_load_si512(rep);
   }
 };
 
-// Per word of a B row: (S_n - e) << 7, or all ones (the block drops out) when S_n - e > 125.
-inline __m512i exponent_drop(const uint8_t* smax, const uint8_t* e) {
-  const __m128i d = _mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(smax)),
-                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
-  const __m512i dd = _mm512_cvtepu8_epi32(d);
-  const __mmask16 gone = _mm512_cmpgt_epi32_mask(dd, _mm512_set1_epi32(125));
-  const __m512i sh = _mm512_or_si512(_mm512_slli_epi32(dd, 7), _mm512_slli_epi32(dd, 23));
-  return _mm512_mask_mov_epi32(sh, gone, _mm512_set1_epi32(-1));
+// One MX block of a row block: per byte 4n + c of a slab, min(S_n - e_n, 7) << 4.
+inline __m512i block_bits(const Decoder& dc, const uint8_t* smax, const uint8_t* e) {
+  __m128i d = _mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(smax)),
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
+  d = _mm_slli_epi16(_mm_min_epu8(d, _mm_set1_epi8(kDropBinades)), 4);  // <= 0x70: no carry across bytes
+  return _mm512_permutexvar_epi8(dc.rep4, _mm512_castsi128_si512(d));
 }
 
-// One MX block of a row block (8 slabs of 32 bytes) -> a B tile (16 rows x 32 BF16).
-inline void decode_block(const Decoder& dc, const uint8_t* w, __m512i drop, uint16_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi16(0x1000);
-  for (int g = 0; g < 8; ++g) {
-    __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g)));
-    v = _mm512_mask_blend_epi16(__mmask32(0xFFFF0000u), v, _mm512_srli_epi16(v, 4));  // upper half: high nibbles
-    const __m512i codes = _mm512_and_si512(v, low4);              // the 64 codes, byte 4n + c
-    for (int h = 0; h < 2; ++h) {
-      const __m512i t = _mm512_or_si512(_mm512_permutexvar_epi8(dc.place[h], codes), high);
-      const __m512i b = _mm512_subs_epu16(_mm512_permutexvar_epi8(t, dc.table), drop);
-      _mm512_store_si512(out + (2 * g + h) * 32, b);
+// One 32-byte slab -> its 64 weights (16 outputs x 4 k, byte 4n + c) through the table lo | hi:
+// one row of a TDPBSSD B tile (signed table), or one vpdpbusd operand (biased table).
+inline __m512i decode_slab(const Decoder& dc, const uint8_t* p, __m512i bits, __m512i lo, __m512i hi) {
+  __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v = _mm512_srlv_epi16(v, dc.shifts);
+  v = _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(0x0F), bits, 0xEA);  // (v & 0x0F) | bits
+  return _mm512_permutex2var_epi8(lo, v, hi);
+}
+
+// S_n: each output's largest scale over K, for row blocks nb .. nb + nbn - 1.
+inline void column_maxima(const GemmArgs& a, int64_t nb, int nbn, uint8_t (*smax)[16]) {
+  const int64_t kb = a.kp / kKBlk;
+  for (int j = 0; j < nbn; ++j) {
+    const uint8_t* s = a.scales + (nb + j) * kb * kRows;
+    __m128i m = _mm_setzero_si128();
+    for (int64_t b = 0; b < kb; ++b) m = _mm_max_epu8(m, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b * kRows)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(smax[j]), m);
+  }
+}
+
+// y[m, row block nb] = (128 C_hi + C_lo) * (rowf_m * 2^(S_n - 131)): both kernels, the same ops.
+inline void store_row(const GemmArgs& a, int64_t m, int64_t nb, const uint8_t* smax, __m512i chi, __m512i clo) {
+  const __m512 f = _mm512_mul_ps(avx512::e8m0x16(smax), _mm512_set1_ps(1.f / 16));  // 2^(S_n - 131)
+  const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chi), _mm512_set1_ps(128.f), _mm512_cvtepi32_ps(clo));
+  const int64_t left = a.n - nb * kRows, cols = left < kRows ? left : kRows;
+  _mm512_mask_storeu_ps(a.y + m * a.ldy + nb * kRows, __mmask16((1u << cols) - 1u),
+                        _mm512_mul_ps(s, _mm512_mul_ps(_mm512_set1_ps(a.xrow[m]), f)));
+}
+
+// K tile t of row block nb (MX blocks 2t, 2t + 1) -> a B tile; a missing second block reads zero.
+inline void decode_tile(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_t t, const uint8_t* smax, int8_t* out) {
+  const int64_t kb = a.kp / kKBlk;
+  for (int h = 0; h < 2; ++h) {
+    const int64_t b = 2 * t + h;
+    int8_t* o = out + h * 8 * 64;
+    if (b >= kb) {
+      std::memset(o, 0, 8 * 64);
+      continue;
+    }
+    const uint8_t* w = a.data + (nb * (a.kp / 4) + b * 8) * 32;
+    const char* pf = reinterpret_cast<const char*>(w + 2048);
+    _mm_prefetch(pf, _MM_HINT_T0);
+    _mm_prefetch(pf + 64, _MM_HINT_T0);
+    _mm_prefetch(pf + 128, _MM_HINT_T0);
+    _mm_prefetch(pf + 192, _MM_HINT_T0);
+    const __m512i bits = block_bits(dc, smax, a.scales + (nb * kb + b) * kRows);
+    for (int g = 0; g < 8; ++g) _mm512_store_si512(o + g * 64, decode_slab(dc, w + 32 * g, bits, dc.tab_lo, dc.tab_hi));
+  }
+}
+
+// Rows [m0, m0 + rows) (rows <= 16) x row blocks [nb0, nb1), two row blocks at a time, all K.
+void q4_rows(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1, int64_t m0, int rows) {
+  configure_tiles(rows);
+  const int64_t kb = a.kp / kKBlk, kt = a.kq / kTileK;
+  alignas(64) int8_t bbuf[2][2][kBTileBytes];  // double-buffered: a K tile's B tiles, then the next's
+  alignas(64) int32_t chi[16 * 16], clo[16 * 16];
+  alignas(16) uint8_t smax[4][16];
+  const int8_t* ahi = a.xi8 + m0 * a.kq;
+  const int8_t* alo = a.xi8 + (a.m + m0) * a.kq;
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const int nbn = nb1 - nb < 2 ? 1 : 2;
+    column_maxima(a, nb, nbn, smax);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (nbn == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t t = 0; t < kt; ++t) {
+      int8_t(*bt)[kBTileBytes] = bbuf[t & 1];
+      for (int j = 0; j < nbn; ++j) decode_tile(a, dc, nb + j, t, smax[j], bt[j]);
+      _tile_loadd(4, ahi + t * kTileK, a.kq);
+      _tile_loadd(5, alo + t * kTileK, a.kq);
+      _tile_loadd(6, bt[0], 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 5, 6);
+      if (nbn == 2) {
+        _tile_loadd(7, bt[1], 64);
+        _tile_dpbssd(2, 4, 7);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+    for (int j = 0; j < nbn; ++j) {
+      if (j == 0) {
+        _tile_stored(0, chi, 64);
+        _tile_stored(1, clo, 64);
+      } else {
+        _tile_stored(2, chi, 64);
+        _tile_stored(3, clo, 64);
+      }
+      for (int r = 0; r < rows; ++r)
+        store_row(a, m0 + r, nb + j, smax[j], _mm512_load_si512(chi + 16 * r), _mm512_load_si512(clo + 16 * r));
     }
   }
 }
 
-// Rows [m0, m0 + rows) (rows <= 32: mt = 1 or 2 row tiles) x row blocks [nb0, nb1) over all K.
-void q4_rows(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1, int64_t m0, int64_t rows) {
-  const int mt = rows > 16 ? 2 : 1;
-  const int nbb = mt == 2 ? 2 : 4;
-  const int rows0 = int(rows < 16 ? rows : 16), rows1 = int(rows - rows0);
-  configure_tiles(mt, nbb, rows0, mt == 2 ? rows1 : rows0);
+// MB <= kVnniRows rows x NB row blocks from nb, all K, with vpdpbusd: the same integer sums as the
+// tiles (exact int32, any order), so the same bits. Per slab: one decode per row block, then per
+// row two broadcasts (hi, lo) and two vpdpbusd per row block; the bias comes off once at the end
+// (kBias * sum_k x, from quantize_x_i8x2).
+template <int MB, int NB>
+void q4_vnni(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_t m0) {
   const int64_t kb = a.kp / kKBlk;
-  alignas(64) uint16_t bbuf[2][4][kBTileWords];  // double-buffered: a block's B tiles, then the next's
-  alignas(64) float cbuf[16 * 16];
-  alignas(16) uint8_t smax[4][16];
-  for (int64_t nb = nb0; nb < nb1; nb += nbb) {
-    const int nbn = int(nb1 - nb < nbb ? nb1 - nb : nbb);
-    for (int j = 0; j < nbn; ++j) {  // S_n: each output's largest scale over K
-      const uint8_t* s = a.scales + (nb + j) * kb * kRows;
-      __m128i m = _mm_setzero_si128();
-      for (int64_t b = 0; b < kb; ++b)
-        m = _mm_max_epu8(m, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b * kRows)));
-      _mm_store_si128(reinterpret_cast<__m128i*>(smax[j]), m);
-    }
-    for (int t = 0; t < mt * nbb; ++t)
-      if (t % nbb < nbn) zero_c(t);
-    for (int64_t b = 0; b < kb; ++b) {
-      uint16_t(*bt)[kBTileWords] = bbuf[b & 1];
-      for (int j = 0; j < nbn; ++j) {
-        const uint8_t* w = a.data + ((nb + j) * (a.kp / 4) + b * 8) * 32;
-        _mm_prefetch(reinterpret_cast<const char*>(w + 2048), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 64), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 128), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + 2048 + 192), _MM_HINT_T0);
-        decode_block(dc, w, exponent_drop(smax[j], a.scales + ((nb + j) * kb + b) * kRows), bt[j]);
+  alignas(16) uint8_t smax[NB][16];
+  column_maxima(a, nb, NB, smax);
+  const uint8_t* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = a.data + (nb + j) * (a.kp / 4) * 32;
+  const int8_t* xh[MB];
+  const int8_t* xl[MB];
+  for (int i = 0; i < MB; ++i) {
+    xh[i] = a.xi8 + (m0 + i) * a.kq;
+    xl[i] = a.xi8 + (a.m + m0 + i) * a.kq;
+  }
+  __m512i hi[MB][NB], lo[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) hi[i][j] = lo[i][j] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < kb; ++b) {
+    __m512i bits[NB];
+    for (int j = 0; j < NB; ++j) bits[j] = block_bits(dc, smax[j], a.scales + ((nb + j) * kb + b) * kRows);
+    for (int g = 0; g < 8; ++g) {
+      const int64_t slab = b * 8 + g;
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + slab * 32 + 2048), _MM_HINT_T0);
+        wv[j] = decode_slab(dc, w[j] + slab * 32, bits[j], dc.utab_lo, dc.utab_hi);
       }
-      for (int i = 0; i < mt; ++i) {
-        load_a(i, a.xbf + (m0 + 16 * i) * a.kp + b * kKBlk, a.kp * 2);
-        for (int j = 0; j < nbn; ++j) {
-          if (i == 0) load_b(j, bt[j]);  // mt = 2 has nbb = 2: B tiles 6, 7 still hold blocks 0, 1
-          dot(i * nbb + j, i, j);
+      for (int i = 0; i < MB; ++i) {
+        int32_t qh, ql;
+        std::memcpy(&qh, xh[i] + slab * 4, 4);
+        std::memcpy(&ql, xl[i] + slab * 4, 4);
+        const __m512i bh = _mm512_set1_epi32(qh), bl = _mm512_set1_epi32(ql);
+        for (int j = 0; j < NB; ++j) {
+          hi[i][j] = _mm512_dpbusd_epi32(hi[i][j], wv[j], bh);
+          lo[i][j] = _mm512_dpbusd_epi32(lo[i][j], wv[j], bl);
         }
       }
     }
-    const int64_t left = a.n - nb * kRows;
-    for (int i = 0; i < mt; ++i) {
-      const int64_t r0 = m0 + 16 * i, nr = i == 0 ? rows0 : rows1;
-      for (int j = 0; j < nbn; ++j) {
-        store_c(i * nbb + j, cbuf);
-        const __m512 f = avx512::e8m0x16(smax[j]);
-        const int64_t cols = left - j * kRows < kRows ? left - j * kRows : kRows;
-        const __mmask16 keep = __mmask16((1u << cols) - 1u);
-        for (int64_t r = 0; r < nr; ++r)
-          _mm512_mask_storeu_ps(a.y + (r0 + r) * a.ldy + (nb + j) * kRows, keep,
-                                _mm512_mul_ps(_mm512_load_ps(cbuf + r * 16), f));
-      }
-    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    const __m512i bh = _mm512_set1_epi32(kBias * a.xsum[m0 + i]), bl = _mm512_set1_epi32(kBias * a.xsum[a.m + m0 + i]);
+    for (int j = 0; j < NB; ++j)
+      store_row(a, m0 + i, nb + j, smax[j], _mm512_sub_epi32(hi[i][j], bh), _mm512_sub_epi32(lo[i][j], bl));
   }
 }
 
+using VnniFn = void (*)(const GemmArgs&, const Decoder&, int64_t, int64_t);
+template <int MB>
+constexpr VnniFn vnni_fn(int nbn) {
+  return nbn == 1 ? q4_vnni<MB, 1> : nbn == 2 ? q4_vnni<MB, 2> : nbn == 3 ? q4_vnni<MB, 3> : q4_vnni<MB, 4>;
+}
+// Row blocks per pass of the vpdpbusd kernel: 4 streams for a GEMV, 2 for 2-4 rows (registers).
+constexpr int vnni_blocks(int64_t m) { return m == 1 ? 4 : 2; }
+
 }  // namespace
+
+void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kq, int8_t* out, float* rowf,
+                     int32_t* sums) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* src = x + i * ldx;
+    int8_t* hi = out + i * kq;
+    int8_t* lo = out + (m + i) * kq;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t c = 0; c < k; c += 16) {
+      const __mmask16 in = c + 16 <= k ? __mmask16(0xFFFF) : __mmask16((1u << (k - c)) - 1u);
+      const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(in, src + c));
+      bad |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);  // inf, NaN
+      amax = _mm512_max_ps(amax, v);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, amax);
+    float mx = 0.f;
+    for (float v : lanes) mx = v > mx ? v : mx;
+    const float inv = bad || mx == 0.f ? 0.f : 127.f / mx;
+    rowf[i] = bad ? std::numeric_limits<float>::quiet_NaN() : mx == 0.f ? 0.f : 1.f / (inv * 128.f);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+    for (int64_t c = 0; c < kq; c += 16) {
+      const __mmask16 in = c + 16 <= k ? __mmask16(0xFFFF) : c < k ? __mmask16((1u << (k - c)) - 1u) : __mmask16(0);
+      const __m512 u = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, src + c), vinv);
+      const __m512 h = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(u, h), _mm512_set1_ps(128.f)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i ih = _mm512_cvtps_epi32(h), il = _mm512_cvtps_epi32(l);
+      sh = _mm512_add_epi32(sh, ih);
+      sl = _mm512_add_epi32(sl, il);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + c), _mm512_cvtepi32_epi8(ih));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + c), _mm512_cvtepi32_epi8(il));
+    }
+    sums[i] = _mm512_reduce_add_epi32(sh);
+    sums[m + i] = _mm512_reduce_add_epi32(sl);
+  }
+}
 
 void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* /*acc*/) {
   const Decoder dc;
-  for (int64_t m0 = 0; m0 < a.m; m0 += 32) q4_rows(a, dc, nb0, nb1, m0, a.m - m0 < 32 ? a.m - m0 : 32);
+  if (a.m <= kVnniRows) {
+    const int nbmax = vnni_blocks(a.m);
+    for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
+      const int nbn = int(nb1 - nb < nbmax ? nb1 - nb : nbmax);
+      const VnniFn f = a.m == 1 ? vnni_fn<1>(nbn) : a.m == 2 ? vnni_fn<2>(nbn) : a.m == 3 ? vnni_fn<3>(nbn) : vnni_fn<4>(nbn);
+      f(a, dc, nb, 0);
+    }
+    return;
+  }
+  for (int64_t m0 = 0; m0 < a.m; m0 += 16) q4_rows(a, dc, nb0, nb1, m0, int(a.m - m0 < 16 ? a.m - m0 : 16));
   _tile_release();
 }
 

@@ -91,8 +91,9 @@ constexpr std::array<TileFn, sizeof...(I)> make_tiles(std::integer_sequence<int,
 }
 constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kMaxMB * kMaxNB>());
 
-// Row blocks per tile of mb rows: 16 int32 accumulators at most, 4 streams for a GEMV.
-constexpr int blocks_for(int mb) { return mb <= 4 ? 4 : 2; }
+// Row blocks per tile of mb rows: 4 streams for a GEMV, else 2 (measured on a Sapphire Rapids VM:
+// 2 rather than 4 blocks at M = 2 is 15% faster, at M = 3-4 the same or better: fewer registers).
+constexpr int blocks_for(int mb) { return mb == 1 ? 4 : 2; }
 
 }  // namespace
 
