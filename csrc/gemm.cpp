@@ -357,7 +357,7 @@ std::atomic<bool>& vnni_enabled() {
   return on;
 }
 std::atomic<bool>& tiles_enabled() {
-  static std::atomic<bool> on{false};
+  static std::atomic<bool> on{true};
   return on;
 }
 }  // namespace

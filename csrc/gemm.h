@@ -28,16 +28,18 @@
 //
 // Paths per ISA level (gemm_choose). The amx level serves BF16 weights with tiles at every M
 // (decode, verify and prefill: each C row comes from its own x row only, so a row's bits do not
-// depend on M); MXFP4 takes the avx512 path, or BF16 tiles at every M after set_mx_tiles(true),
-// the other MX formats keep the avx512 paths. Below the amx level every M takes that level's
+// depend on M); MXFP4 takes the amx path at every M (int8 weights folded per output, below), or
+// the avx512 path after set_mx_tiles(false); the other MX formats keep the avx512 paths. Below the amx level every M takes that level's
 // path for the format (BF16: avx512_bf16, avx512 or avx2).
 //   mxfp4         x quantized per 32-block to int8 (Q8: d = max|x|/127, q = rne(x/d)); per block
 //                 the exact integer dot sum(2*e2m1 * q) then y = fma(float(isum), e8m0*d/2, y).
 //                 ref, avx2 and avx512 are bit-identical (vpmaddubsw or, with VNNI, vpdpbusd).
-//                 amx: x rounded to bf16, the weights decoded exactly into BF16 tiles relative
-//                 to each output's largest block scale, fp32 tile sums over all of K
-//                 (gemm_q4_amx.cpp): a draft path, within a stated bound of float64, not ref's
-//                 bits (invariant 2 exempts drafts), taken at every M or at none (set_mx_tiles).
+//                 amx: weights as int8 e2m1 * 2^(4 - d) relative to each output's largest block
+//                 scale (exact for d <= 3, rounded for d = 4-6, dropped below), x in two int8
+//                 parts per row (14 bits of the row's range), exact int32 sums over all of K
+//                 (TDPBSSD tiles from 3 rows, vpdpbusd below: the same integers), then
+//                 y = ((128 C_hi + C_lo) * rowf) * 2^(S - 131) (gemm_q4_amx.cpp): a draft path,
+//                 not ref's bits (invariant 2 exempts drafts), but a row's bits never depend on M.
 //   mxfp6_e2m3    as mxfp4 (same Q8 activations) with the exact integer dot sum(8*e2m3 * q),
 //                 then y = fma(float(isum), e8m0 * (d/2 * 0.25), y). Bit-identical to ref.
 //   E3M2/FP8/INT8 per block b = fma chain over the 32 k (element decoded exactly, shifted by
@@ -93,16 +95,12 @@ GemmPath gemm_path_from_name(const std::string& name);  // throws std::invalid_a
 bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m);
 // The path the dispatcher takes for this weight and M at the selected ISA level.
 GemmPath gemm_choose(const PackedWeight& w, int64_t m);
-// MXFP4 at the amx level: BF16 tiles (set_mx_tiles(true)) or the avx512 path (default), the
-// same path for every M either way, so a draft row's bits never depend on how many rows (or
-// sequences) share its pass: seeded sampling stays reproducible under any server load. The tile
-// path decodes every block once per pass (~0.05 ns a weight a core, compute-bound) and then pays
-// almost nothing per row; VNNI pays per row. Measured on a 2-core Sapphire Rapids VM (~15 GB/s
-// of DRAM a core; `qspec bench kernels`, Qwen2.5-Coder-1.5B shapes, 2 threads): tiles cost 1.9
-// one-row VNNI passes at one row, 2.1-2.4 at 8 rows and 2.5-2.9 at 16 (VNNI: 2.0-2.4 and 4.3-4.9),
-// so chains, which are one-row passes, keep VNNI there. On a many-core socket (4-5 GB/s a core)
-// the decode hides under the weight stream and the tiles are the better choice at every M.
-// Returns the previous setting.
+// MXFP4 at the amx level: the amx path (default) or the avx512 path (set_mx_tiles(false)), the
+// same for every M either way, so a draft row's bits never depend on how many rows (or sequences)
+// share its pass: seeded sampling stays reproducible under any server load. Measured on a 2-core
+// Sapphire Rapids VM (`qspec bench kernels`, Qwen2.5-Coder-1.5B shapes, 2 threads, whole model,
+// in one-row VNNI passes): amx 1.0 at one row, 1.2 at 2, 1.3 at 4, 1.4 at 8, 1.6 at 16; the
+// avx512 path (VNNI) 1.0 / 1.05 / 1.2 / 1.8 / 3.4. Returns the previous setting.
 bool set_mx_tiles(bool enabled);
 bool mx_tiles();
 

@@ -35,9 +35,10 @@ PATH_VS_REF_TOL = {             # [path][format]
     "avx512_bf16": {"bf16": BF16_ACTIVATIONS},
     "amx": {"bf16": BF16_ACTIVATIONS},  # MXFP4: its own oracle (assert_mxfp4_amx)
 }
-# amx MXFP4: BF16 tiles over exactly decoded weights, so the oracle is float64 bf16(x) . W with
-# fp32 tile sums (no Q8 rounding, unlike ref); blocks 2^126 below their column's largest drop out.
-AMX_MXFP4_TOL = 1e-5
+# amx MXFP4: integer weights relative to each output's largest block scale, x in two int8 parts
+# per row, exact int32 sums: the oracle (amx_mxfp4_oracle) repeats that arithmetic in numpy, so
+# only the fp32 epilogue (int32 -> fp32, one FMA, two products) separates the kernel from it.
+AMX_MXFP4_TOL = 1e-6
 
 
 def bf16_bits(a):
@@ -93,13 +94,23 @@ def dequant(fmt, codes, scales, k):
     return (vals * np.repeat(s, 32, axis=1))[:, :k]
 
 
+class Dense(np.ndarray):
+    """A dense float64 W that remembers the MX codes and scales it came from (`mx`)."""
+    mx = None
+
+    def __array_finalize__(self, obj):
+        self.mx = getattr(obj, "mx", None)
+
+
 def make_weight(rng, fmt, n, k):
-    """(packed weight, float64 dense W [n, k])."""
+    """(packed weight, float64 dense W [n, k]; for MX formats W.mx = (codes, scales))."""
     if fmt == "bf16":
         bits = bf16_bits(rng.standard_normal((n, k)) * 0.1)
         return _C.pack_bf16(bits), bf16_values(bits).astype(np.float64)
     codes, scales = random_mx(rng, fmt, n, k)
-    return _C.pack_mx(fmt, codes, scales, k), dequant(fmt, codes, scales, k)
+    w = dequant(fmt, codes, scales, k).view(Dense)
+    w.mx = (codes, scales)
+    return _C.pack_mx(fmt, codes, scales, k), w
 
 
 def q8_error_bound(x, w):
@@ -146,12 +157,12 @@ def test_paths_and_dispatch():
         chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}
         assert chosen <= set(_C.gemm_paths(w, 1))
         assert len(chosen) == 1, chosen
-        if info["isa_selected"] == "amx":  # tiles for BF16; MXFP4 on tiles only when asked
-            assert chosen == {"amx" if fmt == "bf16" else "avx512"}
+        if info["isa_selected"] == "amx":  # tiles for BF16 and MXFP4; MXFP4 on avx512 when asked
+            assert chosen == {"amx" if fmt in ("bf16", "mxfp4") else "avx512"}
             if fmt == "mxfp4":
-                old = _C.set_mx_tiles(True)
+                old = _C.set_mx_tiles(False)
                 try:
-                    assert {_C.gemm_choose(w, m) for m in range(1, 65)} == {"amx"}
+                    assert {_C.gemm_choose(w, m) for m in range(1, 65)} == {"avx512"}
                 finally:
                     _C.set_mx_tiles(old)
     assert isinstance(_C.PACK_LAYOUT_VERSION, int)
@@ -159,8 +170,9 @@ def test_paths_and_dispatch():
 
 def test_mxfp4_vnni_and_maddubs_paths_equal_ref(rng):
     """The avx512 path's two integer-dot instructions (vpdpbusd where the CPU has AVX512-VNNI,
-    else vpmaddubsw) give ref's bits at every tile shape; the amx path (BF16 tiles) meets its
-    float64 oracle at M up to 40: one and two row tiles, then a second chunk of 32 rows."""
+    else vpmaddubsw) give ref's bits at every tile shape; the amx path (vpdpbusd up to 2 rows,
+    then int8 tiles in chunks of 16 rows) meets its oracle at M up to 40, with the same bits
+    for a row whatever M."""
     pw, w = make_weight(rng, "mxfp4", 72, 1000)
     if "avx512" not in _C.gemm_paths(pw, 1):
         pytest.skip("no avx512 path on this CPU")
@@ -176,35 +188,41 @@ def test_mxfp4_vnni_and_maddubs_paths_equal_ref(rng):
             finally:
                 _C.set_mx_vnni(old)
         if "amx" in _C.gemm_paths(pw, m):
-            assert_mxfp4_amx(_C.gemm(pw, x, path="amx"), x, w)
+            y = _C.gemm(pw, x, path="amx")
+            assert_mxfp4_amx(y, x, w)
+            np.testing.assert_array_equal(y[:1], _C.gemm(pw, x[:1], path="amx"), err_msg=f"m={m}")
 
 
 def test_mxfp4_amx_scale_range(rng):
-    """amx MXFP4 folds each block's scale into BF16 weights relative to the column's largest
-    scale S: a block 126 or more binades below S drops out (never wraps into garbage), blocks
-    far below S are still exact, a NaN scale (0xFF) makes its column NaN."""
+    """amx MXFP4 folds each block's scale into int8 weights relative to the output's largest
+    scale S: blocks up to 3 binades below S are exact, 4-6 rounded to the nearest integer (ties to
+    even), 7 or more drop out (never wrap into garbage), also 200 binades down; a NaN scale (0xFF)
+    makes its column NaN, a NaN or infinite x its row."""
     n, k = 48, 256
     codes, scales = random_mx(rng, "mxfp4", n, k, scale_lo=60, scale_hi=200)
-    scales[0, :] = [200, 75, 74, 130, 140, 0, 199, 1]   # blocks 2, 5, 7 are 126+ below 200
-    codes[1, :32] = 0                                   # the largest scale's block is all zeros:
-    scales[1, :] = [200, 100, 100, 101, 102, 100, 103, 100]  # the rest, ~100 below it, is exact
+    scales[0, :] = [200, 75, 0, 199, 197, 196, 193, 194]  # d = 0, 125, 200, 1, 3, 4, 7, 6
+    codes[1, :32] = 0                                     # the largest scale's block is all zeros:
+    scales[1, :] = [200, 198, 198, 197, 199, 198, 197, 198]  # the rest, 1-3 below it, is exact
     scales[2, 3] = 255
     pw = _C.pack_mx("mxfp4", codes, scales, k)
     if "amx" not in _C.gemm_paths(pw, 1):
         pytest.skip("no amx level here")
-    w = dequant("mxfp4", codes, scales, k)
-    for m in (1, 5, 17):
+    w = dequant("mxfp4", codes, scales, k).view(Dense)
+    w.mx = (codes, scales)
+    for m in (1, 2, 5, 17):
         x = rng.standard_normal((m, k)).astype(np.float32)
         y = _C.gemm(pw, x, path="amx")
         assert np.isnan(y[:, 2]).all() and np.isfinite(np.delete(y, 2, axis=1)).all()
         rows = np.delete(np.arange(n), 2)
-        xb = bf16_values(bf16_bits(x)).astype(np.float64)
-        dropped = np.zeros((m, n))
-        for b in (2, 5, 7):
-            sl = slice(32 * b, 32 * b + 32)
-            dropped[:, 0] += np.abs(xb[:, sl]) @ np.abs(w[0, sl])
-        assert_mxfp4_amx(y[:, rows], x, w[rows], allowed=dropped[:, rows])
-        np.testing.assert_allclose(y[:, 1], xb @ w[1], rtol=1e-5)
+        wr = w[rows]
+        wr.mx = (codes[rows], scales[rows])
+        assert_mxfp4_amx(y[:, rows], x, wr)
+        exact = amx_x_values(x) @ w[1]  # row 1: every block exact, only x's two-part rounding
+        np.testing.assert_allclose(y[:, 1], exact, rtol=1e-6, atol=1e-30)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[1, 7], x[2, 9] = np.nan, np.inf
+    y = _C.gemm(pw, x, path="amx")
+    assert np.isnan(y[1:]).all() and np.isfinite(np.delete(y[0], 2)).all()
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -346,12 +364,37 @@ def test_special_values(rng):
 # ------------------------------------------------------------------------ fast paths vs ref
 
 
-def assert_mxfp4_amx(y, x, w, allowed=0.0):
-    """amx MXFP4 against float64 bf16(x) . W (allowed: extra error, e.g. dropped blocks)."""
-    xb = bf16_values(bf16_bits(x)).astype(np.float64)
-    bound = AMX_MXFP4_TOL * (np.abs(xb) @ np.abs(w).T) + allowed + 1e-30
-    err = np.abs(y.astype(np.float64) - xb @ w.T)
-    assert (err <= bound).all(), float((err / bound).max())
+def amx_x_values(x):
+    """x as the amx MXFP4 path reads it: per row u = x * (127 / max|x|) in fp32, hi = rne(u),
+    lo = rne((u - hi) * 128), value (128 hi + lo) * rowf with rowf = 1 / ((127 / max|x|) * 128)."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    amax = np.abs(x32).max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        rowf = np.where(amax > 0, np.float32(1) / (inv * np.float32(128)), np.float32(0)).astype(np.float32)
+    u = x32 * inv[:, None]
+    hi = np.rint(u)
+    lo = np.rint((u - hi) * np.float32(128))
+    return (hi.astype(np.float64) * 128 + lo) * rowf[:, None].astype(np.float64)
+
+
+def amx_mxfp4_oracle(x, codes, scales, k):
+    """(y, sum of |terms|) of the amx MXFP4 arithmetic in float64: per output S = largest block
+    scale, d = S - e, weight rne(e2m1 * 2^(4 - d)) for d < 7 (else 0) times 2^(S - 131)."""
+    big = scales.max(axis=1).astype(np.int64)
+    d = np.repeat(np.minimum(big[:, None] - scales.astype(np.int64), 7), 32, axis=1)
+    wi = np.where(d < 7, np.round(np.ldexp(decode_table("mxfp4")[codes], 4 - d)), 0.0)[:, :k]
+    wq = wi * np.where(big == 255, np.nan, np.ldexp(1.0, big - 131))[:, None]
+    xv = amx_x_values(x)
+    return xv @ wq.T, np.abs(xv) @ np.abs(wq).T
+
+
+def assert_mxfp4_amx(y, x, w):
+    """amx MXFP4 against its float64 oracle (w: a Dense with its codes and scales)."""
+    yo, mag = amx_mxfp4_oracle(x, *w.mx, x.shape[1])
+    err = np.abs(y.astype(np.float64) - yo)
+    bound = AMX_MXFP4_TOL * mag + 1e-30
+    assert (err <= bound).all(), float(np.nanmax(err / bound))
 
 
 def assert_close_to_ref(path, fmt, y, yref, x, w):

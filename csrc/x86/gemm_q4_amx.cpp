@@ -17,7 +17,7 @@
 // x is quantized once per pass, per row, in two int8 parts: u = x * 127 / max|x|, hi = rne(u),
 // lo = rne((u - hi) * 128), so x = (hi + lo / 128) * max|x| / 127 within max|x| * 2^-8 / 127
 // (14 bits of the row's range). Per 16 rows x 16 outputs x 64 k: two TDPBSSD (hi, lo) into two
-// int32 C tiles; y = (128 C_hi + C_lo) * rowf_m * 2^(S_n - 131), rowf_m = 1 / (128 * 127 / max|x|).
+// int32 C tiles; y = ((128 C_hi + C_lo) * rowf_m) * 2^(S_n - 131), rowf_m = 1 / (128 * 127 / max|x|).
 //
 // What it computes (tests/test_gemm.py emulates it in numpy): the integer sums are exact, so a
 // row's bits depend only on its own x row, never on M or the other rows (batch invariant in the
@@ -42,7 +42,7 @@ constexpr int kTileK = 64;               // k per TDPBSSD: 16 B rows of 4 k
 constexpr int kBTileBytes = 16 * 64;     // one B tile
 constexpr int kDropBinades = 7;          // d >= 7: the block drops out (all-zero table)
 constexpr int kBias = 96;                // |weight| <= 96: + 96 makes the vpdpbusd operand unsigned
-constexpr int kVnniRows = 4;             // rows <= this: vpdpbusd (q4_vnni), more: tiles (q4_rows)
+constexpr int kVnniRows = 2;             // rows <= this: vpdpbusd (q4_vnni), more: tiles (q4_rows)
 
 // Tiles 0-3: C (rows x 16 int32): block j hi = 2j, lo = 2j + 1; 4 / 5: A hi / lo; 6 / 7: B of block 0 / 1.
 void configure_tiles(int rows) {
@@ -113,13 +113,14 @@ inline void column_maxima(const GemmArgs& a, int64_t nb, int nbn, uint8_t (*smax
   }
 }
 
-// y[m, row block nb] = (128 C_hi + C_lo) * (rowf_m * 2^(S_n - 131)): both kernels, the same ops.
+// y[m, row block nb] = ((128 C_hi + C_lo) * rowf_m) * 2^(S_n - 131): both kernels, the same ops
+// (the power of two last, so tiny scales do not pass through fp32 subnormals).
 inline void store_row(const GemmArgs& a, int64_t m, int64_t nb, const uint8_t* smax, __m512i chi, __m512i clo) {
   const __m512 f = _mm512_mul_ps(avx512::e8m0x16(smax), _mm512_set1_ps(1.f / 16));  // 2^(S_n - 131)
   const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chi), _mm512_set1_ps(128.f), _mm512_cvtepi32_ps(clo));
   const int64_t left = a.n - nb * kRows, cols = left < kRows ? left : kRows;
   _mm512_mask_storeu_ps(a.y + m * a.ldy + nb * kRows, __mmask16((1u << cols) - 1u),
-                        _mm512_mul_ps(s, _mm512_mul_ps(_mm512_set1_ps(a.xrow[m]), f)));
+                        _mm512_mul_ps(_mm512_mul_ps(s, _mm512_set1_ps(a.xrow[m])), f));
 }
 
 // K tile t of row block nb (MX blocks 2t, 2t + 1) -> a B tile; a missing second block reads zero.
