@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -356,8 +357,16 @@ std::atomic<bool>& vnni_enabled() {
   static std::atomic<bool> on{true};
   return on;
 }
+// QSPEC_MX_PATH=avx512 starts a process with MXFP4 on the avx512 path at the amx level (A/B runs
+// of whole programs); amx or unset: the amx path. Anything else is a user error, reported.
+bool tiles_from_env() {
+  const char* env = std::getenv("QSPEC_MX_PATH");
+  if (!env || !*env || std::string(env) == "amx") return true;
+  if (std::string(env) == "avx512") return false;
+  throw std::invalid_argument(std::string("QSPEC_MX_PATH='") + env + "' is not one of amx, avx512");
+}
 std::atomic<bool>& tiles_enabled() {
-  static std::atomic<bool> on{true};
+  static std::atomic<bool> on{tiles_from_env()};
   return on;
 }
 }  // namespace

@@ -146,6 +146,25 @@ inline void tile_dpbf16ps(int c, int a, int b) {
   }
 }
 
+// C.i32[m][n] += sum_k sum_{i<4} A.i8[m][4k+i] * B.i8[k][4n+i] (exact: int32 wraps as hardware).
+inline void tile_dpbssd(int c, int a, int b) {
+  check_tile(c);
+  check_tile(a);
+  check_tile(b);
+  TileRegs& r = tiles();
+  if (r.rows[c] != r.rows[a] || r.colsb[c] != r.colsb[b] || r.colsb[a] % 4 != 0 || r.colsb[a] / 4 != r.rows[b])
+    throw std::logic_error("emulated AMX: tdpbssd tile shapes disagree");
+  for (int m = 0; m < r.rows[c]; ++m) {
+    uint32_t acc[16];
+    std::memcpy(acc, r.data[c][m], 64);
+    for (int k = 0; k < r.colsb[a] / 4; ++k)
+      for (int n = 0; n < r.colsb[c] / 4; ++n)
+        for (int i = 0; i < 4; ++i)
+          acc[n] += uint32_t(int32_t(int8_t(r.data[a][m][4 * k + i])) * int32_t(int8_t(r.data[b][k][4 * n + i])));
+    std::memcpy(r.data[c][m], acc, 64);
+  }
+}
+
 }  // namespace qspec_emu
 
 #undef _mm512_mask_loadu_ps
@@ -173,3 +192,5 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #define _tile_stored(t, base, stride) qspec_emu::tile_stored(t, base, stride)
 #undef _tile_dpbf16ps
 #define _tile_dpbf16ps(c, a, b) qspec_emu::tile_dpbf16ps(c, a, b)
+#undef _tile_dpbssd
+#define _tile_dpbssd(c, a, b) qspec_emu::tile_dpbssd(c, a, b)

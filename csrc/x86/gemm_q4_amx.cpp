@@ -251,6 +251,9 @@ constexpr int vnni_blocks(int64_t m) { return m == 1 ? 4 : 2; }
 
 void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kq, int8_t* out, float* rowf,
                      int32_t* sums) {
+  alignas(64) uint8_t idx[64];
+  for (int j = 0; j < 64; ++j) idx[j] = uint8_t(4 * (j % 16));  // byte 0 of each int32 (|v| <= 127)
+  const __m512i low_bytes = _mm512_load_si512(idx);
   for (int64_t i = 0; i < m; ++i) {
     const float* src = x + i * ldx;
     int8_t* hi = out + i * kq;
@@ -280,11 +283,17 @@ void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t 
       const __m512i ih = _mm512_cvtps_epi32(h), il = _mm512_cvtps_epi32(l);
       sh = _mm512_add_epi32(sh, ih);
       sl = _mm512_add_epi32(sl, il);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + c), _mm512_cvtepi32_epi8(ih));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + c), _mm512_cvtepi32_epi8(il));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + c), _mm512_castsi512_si128(_mm512_permutexvar_epi8(low_bytes, ih)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + c), _mm512_castsi512_si128(_mm512_permutexvar_epi8(low_bytes, il)));
     }
-    sums[i] = _mm512_reduce_add_epi32(sh);
-    sums[m + i] = _mm512_reduce_add_epi32(sl);
+    alignas(64) int32_t part[2][16];
+    _mm512_store_si512(part[0], sh);
+    _mm512_store_si512(part[1], sl);
+    sums[i] = sums[m + i] = 0;
+    for (int j = 0; j < 16; ++j) {
+      sums[i] += part[0][j];
+      sums[m + i] += part[1][j];
+    }
   }
 }
 
