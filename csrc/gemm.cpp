@@ -357,12 +357,12 @@ std::atomic<bool>& vnni_enabled() {
   static std::atomic<bool> on{true};
   return on;
 }
-// QSPEC_MX_PATH=avx512 starts a process with MXFP4 on the avx512 path at the amx level (A/B runs
-// of whole programs); amx or unset: the amx path. Anything else is a user error, reported.
+// QSPEC_MX_PATH=amx starts a process with MXFP4 on the amx path at the amx level (wide trees,
+// A/B runs of whole programs); avx512 or unset: the avx512 path. Anything else is a user error.
 bool tiles_from_env() {
   const char* env = std::getenv("QSPEC_MX_PATH");
-  if (!env || !*env || std::string(env) == "amx") return true;
-  if (std::string(env) == "avx512") return false;
+  if (!env || !*env || std::string(env) == "avx512") return false;
+  if (std::string(env) == "amx") return true;
   throw std::invalid_argument(std::string("QSPEC_MX_PATH='") + env + "' is not one of amx, avx512");
 }
 std::atomic<bool>& tiles_enabled() {

@@ -28,9 +28,10 @@
 //
 // Paths per ISA level (gemm_choose). The amx level serves BF16 weights with tiles at every M
 // (decode, verify and prefill: each C row comes from its own x row only, so a row's bits do not
-// depend on M); MXFP4 takes the amx path at every M (int8 weights folded per output, below), or
-// the avx512 path after set_mx_tiles(false); the other MX formats keep the avx512 paths. Below the amx level every M takes that level's
-// path for the format (BF16: avx512_bf16, avx512 or avx2).
+// depend on M); MXFP4 takes the avx512 path at every M, or the amx path (int8 weights folded per
+// output, below) at every M after set_mx_tiles(true) or with QSPEC_MX_PATH=amx; the other MX
+// formats keep the avx512 paths. Below the amx level every M takes that level's path for the
+// format (BF16: avx512_bf16, avx512 or avx2).
 //   mxfp4         x quantized per 32-block to int8 (Q8: d = max|x|/127, q = rne(x/d)); per block
 //                 the exact integer dot sum(2*e2m1 * q) then y = fma(float(isum), e8m0*d/2, y).
 //                 ref, avx2 and avx512 are bit-identical (vpmaddubsw or, with VNNI, vpdpbusd).
@@ -95,12 +96,15 @@ GemmPath gemm_path_from_name(const std::string& name);  // throws std::invalid_a
 bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m);
 // The path the dispatcher takes for this weight and M at the selected ISA level.
 GemmPath gemm_choose(const PackedWeight& w, int64_t m);
-// MXFP4 at the amx level: the amx path (default) or the avx512 path (set_mx_tiles(false)), the
-// same for every M either way, so a draft row's bits never depend on how many rows (or sequences)
-// share its pass: seeded sampling stays reproducible under any server load. Measured on a 2-core
-// Sapphire Rapids VM (`qspec bench kernels`, Qwen2.5-Coder-1.5B shapes, 2 threads, whole model,
-// in one-row VNNI passes): amx 1.0 at one row, 1.2 at 2, 1.3 at 4, 1.4 at 8, 1.6 at 16; the
-// avx512 path (VNNI) 1.0 / 1.05 / 1.2 / 1.8 / 3.4. Returns the previous setting.
+// MXFP4 at the amx level: the avx512 path (default) or the amx path (set_mx_tiles(true), or
+// QSPEC_MX_PATH=amx at start), the same for every M either way, so a draft row's bits never depend
+// on how many rows (or sequences) share its pass: seeded sampling stays reproducible under any
+// server load. Measured on a 2-core Sapphire Rapids VM (`qspec bench kernels`, Qwen2.5-Coder-1.5B
+// shapes, 2 threads, whole model, in one-row VNNI passes): amx 1.0 at one row, 1.2 at 2, 1.3 at
+// 4, 1.4 at 8, 1.6 at 16; the avx512 path (VNNI) 1.0 / 1.05 / 1.2 / 1.8 / 3.4. End to end the
+// default chains and trees (frontiers of 2-3 rows) ran 2-20% faster on VNNI there, so VNNI stays
+// the default; the amx path is for wide passes (wide trees, level-2 checks). Returns the previous
+// setting.
 bool set_mx_tiles(bool enabled);
 bool mx_tiles();
 

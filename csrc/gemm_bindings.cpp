@@ -165,8 +165,8 @@ void bind_gemm(py::module_& m) {
         "(default; same bits as vpmaddubsw); returns the previous setting");
   m.def("mx_vnni", &mx_vnni, "Whether the avx512 MXFP4 path uses vpdpbusd (available and enabled)");
   m.def("set_mx_tiles", &set_mx_tiles, py::arg("enabled"),
-        "MXFP4 at the amx level: the amx path (int8 tiles / vpdpbusd) at every M (True, default) or "
-        "the avx512 path (False); returns the previous setting");
+        "MXFP4 at the amx level: the amx path (int8 tiles / vpdpbusd) at every M (True) or the avx512 "
+        "path (False, default unless QSPEC_MX_PATH=amx); returns the previous setting");
   m.def("mx_tiles", &mx_tiles, "Whether MXFP4 takes the amx path at the amx level (csrc/gemm.h)");
 
   m.def("gemm_choose", [](const PackedWeight& w, int64_t mrows) {

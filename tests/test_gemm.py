@@ -157,12 +157,12 @@ def test_paths_and_dispatch():
         chosen = {_C.gemm_choose(w, m) for m in range(1, 65)}
         assert chosen <= set(_C.gemm_paths(w, 1))
         assert len(chosen) == 1, chosen
-        if info["isa_selected"] == "amx":  # tiles for BF16 and MXFP4; MXFP4 on avx512 when asked
-            assert chosen == {"amx" if fmt in ("bf16", "mxfp4") else "avx512"}
+        if info["isa_selected"] == "amx":  # tiles for BF16; MXFP4 on the amx path when asked
+            assert chosen == {"amx" if fmt == "bf16" else "avx512"}
             if fmt == "mxfp4":
-                old = _C.set_mx_tiles(False)
+                old = _C.set_mx_tiles(True)
                 try:
-                    assert {_C.gemm_choose(w, m) for m in range(1, 65)} == {"avx512"}
+                    assert {_C.gemm_choose(w, m) for m in range(1, 65)} == {"amx"}
                 finally:
                     _C.set_mx_tiles(old)
     assert isinstance(_C.PACK_LAYOUT_VERSION, int)
@@ -564,3 +564,22 @@ def test_batch_invariance_exhaustive(fmt, rng):
     for n, k in [(1, 32), (15, 33), (33, 4128), (576, 1536)]:
         pw, _ = make_weight(rng, fmt, n, k)
         check_invariance(pw, k, rng, ms=range(2, 65))
+
+
+def test_mx_path_env():
+    """QSPEC_MX_PATH picks a process's MXFP4 path at the amx level (amx | avx512, default avx512);
+    any other value is a ValueError naming the choices, at the first dispatch."""
+    import subprocess
+    import sys
+    code = ("import numpy as np; from qspec import _C\n"
+            "pw = _C.pack_mx('mxfp4', np.zeros((16, 32), np.uint8), np.zeros((16, 1), np.uint8), 32)\n"
+            "try:\n    _C.gemm_choose(pw, 1); print(_C.mx_tiles())\n"
+            "except ValueError as e:\n    print('ValueError', e)\n")
+    def run(value):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "QSPEC_MX_PATH"}
+        if value is not None:
+            env["QSPEC_MX_PATH"] = value
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    assert run(None) == "False" and run("avx512") == "False" and run("amx") == "True"
+    assert run("tiles") == "ValueError QSPEC_MX_PATH='tiles' is not one of amx, avx512"

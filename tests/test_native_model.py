@@ -61,10 +61,10 @@ def test_forward_rows_are_batch_invariant(small_backend, isa, draft):
 
 
 @pytest.mark.skipif("amx" not in ISA_LEVELS, reason="no amx level here")
-def test_draft_rows_batch_invariant_on_avx512_mxfp4(small_backend):
-    """With MXFP4 on the avx512 path at the amx level (_C.set_mx_tiles(False)), the MXFP4 draft's
-    rows are still bit-identical alone and in a 9-row pass: the path never depends on the row count."""
-    old = _C.set_mx_tiles(False)
+def test_draft_rows_batch_invariant_on_amx_mxfp4(small_backend):
+    """With MXFP4 on the amx path (_C.set_mx_tiles(True): vpdpbusd up to 2 rows, int8 tiles from
+    3), the MXFP4 draft's rows are still bit-identical alone and in a 9-row pass."""
+    old = _C.set_mx_tiles(True)
     try:
         test_forward_rows_are_batch_invariant(small_backend, "amx", True)
     finally:
