@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 namespace qspec_emu {
 
@@ -115,6 +116,17 @@ inline void tile_stored(int t, void* base, long stride) {
   for (int i = 0; i < r.rows[t]; ++i) std::memcpy(static_cast<uint8_t*>(base) + i * stride, r.data[t][i], r.colsb[t]);
 }
 
+// The tiles of a dot product C += A . B, checked as the hardware checks them (#UD otherwise).
+inline TileRegs& dot_tiles(int c, int a, int b, const char* op) {
+  check_tile(c);
+  check_tile(a);
+  check_tile(b);
+  TileRegs& r = tiles();
+  if (r.rows[c] != r.rows[a] || r.colsb[c] != r.colsb[b] || r.colsb[a] % 4 != 0 || r.colsb[a] / 4 != r.rows[b])
+    throw std::logic_error(std::string("emulated AMX: ") + op + " tile shapes disagree");
+  return r;
+}
+
 inline float bf16_at(const uint8_t* row, int i) {
   uint16_t h;
   std::memcpy(&h, row + 2 * i, 2);
@@ -128,12 +140,7 @@ inline float bf16_at(const uint8_t* row, int i) {
 // Row m of C reads only row m of A (and all of B): the configured row count never changes a
 // row's result. Shapes the hardware rejects (#UD) are rejected here too.
 inline void tile_dpbf16ps(int c, int a, int b) {
-  check_tile(c);
-  check_tile(a);
-  check_tile(b);
-  TileRegs& r = tiles();
-  if (r.rows[c] != r.rows[a] || r.colsb[c] != r.colsb[b] || r.colsb[a] % 4 != 0 || r.colsb[a] / 4 != r.rows[b])
-    throw std::logic_error("emulated AMX: tdpbf16ps tile shapes disagree");
+  TileRegs& r = dot_tiles(c, a, b, "tdpbf16ps");
   for (int m = 0; m < r.rows[c]; ++m) {
     float acc[16];
     std::memcpy(acc, r.data[c][m], 64);
@@ -148,12 +155,7 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 
 // C.i32[m][n] += sum_k sum_{i<4} A.i8[m][4k+i] * B.i8[k][4n+i] (exact: int32 wraps as hardware).
 inline void tile_dpbssd(int c, int a, int b) {
-  check_tile(c);
-  check_tile(a);
-  check_tile(b);
-  TileRegs& r = tiles();
-  if (r.rows[c] != r.rows[a] || r.colsb[c] != r.colsb[b] || r.colsb[a] % 4 != 0 || r.colsb[a] / 4 != r.rows[b])
-    throw std::logic_error("emulated AMX: tdpbssd tile shapes disagree");
+  TileRegs& r = dot_tiles(c, a, b, "tdpbssd");
   for (int m = 0; m < r.rows[c]; ++m) {
     uint32_t acc[16];
     std::memcpy(acc, r.data[c][m], 64);
