@@ -147,10 +147,10 @@ inline void decode_tile(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_
 // Rows [m0, m0 + rows) (rows <= 16) x row blocks [nb0, nb1), two row blocks at a time, all K.
 void q4_rows(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1, int64_t m0, int rows) {
   configure_tiles(rows);
-  const int64_t kb = a.kp / kKBlk, kt = a.kq / kTileK;
+  const int64_t kt = a.kq / kTileK;
   alignas(64) int8_t bbuf[2][2][kBTileBytes];  // double-buffered: a K tile's B tiles, then the next's
   alignas(64) int32_t chi[16 * 16], clo[16 * 16];
-  alignas(16) uint8_t smax[4][16];
+  alignas(16) uint8_t smax[2][16];
   const int8_t* ahi = a.xi8 + m0 * a.kq;
   const int8_t* alo = a.xi8 + (a.m + m0) * a.kq;
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
