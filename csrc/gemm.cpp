@@ -392,7 +392,7 @@ bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
     case GemmPath::avx512: return isa >= int(Isa::avx512);
     case GemmPath::avx512_bf16: return isa >= int(Isa::avx512_bf16) && w.fmt == WFormat::bf16;
     // Tiles for every M of BF16 weights: decode, verify and prefill share one path (gemm.h);
-    // MXFP4 decoded to BF16 B tiles (gemm_q4_amx.cpp).
+    // MXFP4 on int8 tiles / vpdpbusd (gemm_q4_amx.cpp), taken when mx_tiles().
     case GemmPath::amx: return isa >= int(Isa::amx) && (w.fmt == WFormat::bf16 || w.fmt == WFormat::mxfp4);
   }
   return false;

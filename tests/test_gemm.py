@@ -583,3 +583,8 @@ def test_mx_path_env():
                               check=True).stdout.strip()
     assert run(None) == "False" and run("avx512") == "False" and run("amx") == "True"
     assert run("tiles") == "ValueError QSPEC_MX_PATH='tiles' is not one of amx, avx512"
+    env = dict(__import__("os").environ, QSPEC_MX_PATH="tiles")
+    r = subprocess.run([sys.executable, "-m", "qspec", "generate", "hi", "--max-new-tokens", "2"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "qspec: error: QSPEC_MX_PATH='tiles' is not one of amx, avx512"], r.stderr
