@@ -469,19 +469,23 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   } else if (bf16_act) {
     a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
     fit(xbf, a.mpad * a.kp);
-    for (int64_t i = 0; i < m; ++i) {
-      const float* src = x + i * ldx;
-      uint16_t* dst = xbf.data() + i * a.kp;
-      for (int64_t c = 0; c < w.k; ++c) {  // fp32 -> bf16 round to nearest even (branch-free: vectorized)
-        uint32_t u;
-        std::memcpy(&u, src + c, 4);
-        const uint32_t r = (u & 0x7FFFFFFFu) > 0x7F800000u ? u | 0x00400000u  // NaN stays NaN
-                                                           : u + 0x7FFFu + ((u >> 16) & 1u);
-        dst[c] = uint16_t(r >> 16);
-      }
-      std::fill(dst + w.k, dst + a.kp, uint16_t(0));
+    a.xbf_tiles = p == GemmPath::amx && a.mpad > 64;  // prefill: A tiles of 1 KB (gemm_amx.cpp)
+    // Large prefill calls convert their rows on the pool (chunks of 16 rows from a shared counter).
+    uint16_t* const xb = xbf.data();
+    // padding rows: zero (in the A-tile order they share the last row tile with real rows)
+    if (a.xbf_tiles) std::fill(xb + (a.mpad - 16) * a.kp, xb + a.mpad * a.kp, uint16_t(0));
+    else std::fill(xb + m * a.kp, xb + a.mpad * a.kp, uint16_t(0));
+    if (m * w.k < (int64_t(1) << 18) || Pool::instance().threads() == 1) {
+      detail::round_bf16_rows_avx512(x, m, ldx, w.k, a.kp, xb, 0, a.xbf_tiles);  // both paths have AVX-512
+    } else {
+      std::atomic<int64_t> next_row{0};
+      auto body = [&](int) {
+        for (int64_t r0; (r0 = next_row.fetch_add(16, std::memory_order_relaxed)) < m;)
+          detail::round_bf16_rows_avx512(x + r0 * ldx, std::min<int64_t>(16, m - r0), ldx, w.k, a.kp, xb, r0,
+                                         a.xbf_tiles);
+      };
+      Pool::instance().run(body);
     }
-    std::fill(xbf.data() + m * a.kp, xbf.data() + a.mpad * a.kp, uint16_t(0));  // padding rows
     a.xbf = xbf.data();
   } else if (w.k != a.kp) {
     fit(xpad, m * a.kp);
@@ -519,7 +523,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   int threads = pool.threads();
   if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
   threads = int(std::min<int64_t>(threads, nblk));
-  const int64_t scratch = m * detail::kAccCols;
+  const int64_t scratch = std::max(m * detail::kAccCols, p == GemmPath::amx && !q4_tiles && a.mpad > 64 ? detail::kAmxPrefillScratch : 0);
   thread_local std::vector<float> acc_buf;  // a slot each: any worker may join (kernels initialise it)
   fit(acc_buf, scratch * pool.threads());
   float* const acc = acc_buf.data();  // the caller's buffer (a worker's thread_local would be its own)

@@ -4,10 +4,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "bindings.h"
 #include "gemm.h"
@@ -152,6 +154,28 @@ void bind_gemm(py::module_& m) {
     return y;
   }, py::arg("w"), py::arg("x"), py::arg("out") = py::none(), py::arg("path") = py::none(),
      "y[M, N] = x[M, K] @ W[N, K]^T (fp32); path None = dispatcher");
+
+  m.def("round_bf16", [](py::array x) {
+    check_2d(x, "round_bf16 x", py::dtype::of<float>());
+    if (int(isa_selected()) < int(Isa::avx512)) throw std::invalid_argument("round_bf16: needs the avx512 level or above");
+    auto xc = py::array_t<float, py::array::c_style>::ensure(x);
+    const int64_t m = xc.shape(0), k = xc.shape(1);
+    py::array_t<uint16_t> out({m, k});
+    {
+      py::gil_scoped_release nogil;
+      const int64_t kp = rup(k, kKBlk);
+      std::vector<uint16_t> buf(size_t(m * kp)), tiled(size_t(rup(m, 16) * kp));
+      detail::round_bf16_rows_avx512(xc.data(), m, k, k, kp, buf.data(), 0, false);
+      detail::round_bf16_rows_avx512(xc.data(), m, k, k, kp, tiled.data(), 0, true);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t c = 0; c < kp; ++c)  // the two layouts hold the same bits
+          if (tiled[size_t((i / 16) * 16 * kp + (c / 32) * 512 + (i % 16) * 32 + c % 32)] != buf[size_t(i * kp + c)])
+            throw std::logic_error("round_bf16: the A-tile layout differs from the rows");
+        std::memcpy(out.mutable_data() + i * k, buf.data() + i * kp, size_t(k) * 2);
+      }
+    }
+    return out;
+  }, py::arg("x"), "x (float32 [M, K]) rounded to bf16 bits as the avx512_bf16 / amx kernels see it");
 
   m.def("gemm_paths", [](const PackedWeight& w, int64_t mrows) {
     std::vector<std::string> r;

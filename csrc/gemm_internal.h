@@ -46,6 +46,7 @@ struct GemmArgs {
   const int32_t* xc = nullptr;  // 12 * sum(q): the LUT adds 12 so codes are unsigned
   const uint16_t* xbf = nullptr;  // x rounded to bf16, [mpad][kp] (avx512_bf16 / amx)
   int64_t mpad = 0;               // rows of xbf: M, or for amx M > 1 rounded up to 16 (zero rows)
+  bool xbf_tiles = false;         // amx prefill: xbf in the A-tile order (round_bf16_rows_avx512)
   const int8_t* xi8 = nullptr;    // amx MXFP4: x in two int8 parts, [2][m][kq] (hi rows, then lo rows)
   const float* xrow = nullptr;    // amx MXFP4: per row, 1 / (128 * 127 / max|x|) (NaN: a non-finite x)
   const int32_t* xsum = nullptr;  // amx MXFP4: per part and row, the sum of its int8 codes, [2][m]
@@ -63,6 +64,9 @@ struct GemmArgs {
 constexpr int64_t kPrefillRows = 24;
 constexpr int64_t kMChunk = 48;
 constexpr int64_t kL2Bytes = 262144;
+// Per-thread scratch (floats) of the amx BF16 kernel's prefill (gemm_amx.cpp): partial sums of a
+// chunk of 256 rows x 16 row blocks between its K chunks.
+constexpr int64_t kAmxPrefillScratch = 256 * 16 * kRows;
 
 // Rows [m0, m0 + m) of a call as a call of their own (every activation pointer and y moved).
 GemmArgs rows_of(const GemmArgs& a, int64_t m0, int64_t m);
@@ -80,6 +84,13 @@ void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc)
 // x rows -> xi8 / xrow of the amx MXFP4 kernel (gemm_q4_amx.cpp)
 void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kq, int8_t* out, float* rowf,
                      int32_t* sums);
+
+// x rows -> bf16 (zero-filled from k to kp), fp32 rounded to nearest even, NaN kept NaN
+// (quieted): the activations of the avx512_bf16 and amx BF16 kernels (tests/test_gemm.py checks
+// it against numpy through _C.round_bf16). Row i of x is row row0 + i of out: [mpad][kp], or
+// with tiles the AMX A-tile order [mpad / 16][kp / 32][16][32] (one 1 KB tile per 16 rows and 32 k).
+void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, uint16_t* out,
+                            int64_t row0, bool tiles);
 
 // Q8 activation quantization (per 32-block of a row); every implementation is bit-identical.
 void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,

@@ -494,15 +494,36 @@ def test_batch_invariance(fmt, rng):
     check_invariance(pw, k, rng)
 
 
-def test_amx_rows_same_for_decode_and_prefill(rng):
-    """The amx path computes every row alike at any M, prefill included (one TDPBF16PS per 32 k)."""
-    k = 160
-    pw, _ = make_weight(rng, "bf16", 72, k)
+@pytest.mark.skipif(_C.isa_selected() not in ("avx512", "avx512_bf16", "amx"), reason="needs AVX-512")
+def test_round_bf16_rows(rng):
+    """The activations of the BF16 tile kernels: fp32 -> bf16 round to nearest even, NaN quieted,
+    in rows and in the AMX A-tile order alike (the binding compares the layouts), ragged K."""
+    for m, k in ((1, 1), (3, 17), (17, 160), (40, 1000)):
+        x = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-140, 120, (m, k)))).astype(np.float32)
+        u = x.view(np.uint32)
+        u.flat[::7] = (u.flat[::7] & 0xFFFF0000) | 0x8000  # ties: even and odd upper halves
+        x.flat[::11] = np.inf
+        x.flat[::13] = -np.inf
+        x.flat[5::17] = np.float32(3.4028235e38)  # rounds up to inf
+        nan_at = np.zeros((m, k), bool)
+        nan_at.flat[3::19] = True
+        u[nan_at] = 0x7F800001  # a signalling NaN with only a low payload bit
+        got = _C.round_bf16(x)
+        want = bf16_bits(np.where(nan_at, 0, x))
+        want[nan_at] = 0x7FC0
+        np.testing.assert_array_equal(got, want, err_msg=f"m={m} k={k}")
+
+
+@pytest.mark.parametrize("n,k,ms", [(72, 160, (16, 48, 65, 97, 130)), (600, 1100, (80, 300))])
+def test_amx_rows_same_for_decode_and_prefill(rng, n, k, ms):
+    """The amx path computes every row alike at any M, prefill included (one TDPBF16PS per 32 k);
+    the second case crosses the prefill's chunks of rows, row blocks and K (gemm_amx.cpp)."""
+    pw, _ = make_weight(rng, "bf16", n, k)
     if "amx" not in paths_for(pw, 1):
         pytest.skip("no amx level here")
     row = rng.standard_normal((1, k)).astype(np.float32)
     alone = _C.gemm(pw, row, path="amx")
-    for m in (16, 48, 65, 97, 130):
+    for m in ms:
         x = rng.standard_normal((m, k)).astype(np.float32)
         for i in {0, 16, m // 2, m - 1} - {m}:
             xi = x.copy()

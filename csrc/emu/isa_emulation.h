@@ -55,6 +55,27 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
     if (k >> i & 1) std::memcpy(static_cast<float*>(p) + i, &v[i], 4);
 }
 
+inline simde__m512i maskz_loadu_epi32(simde__mmask16 k, const void* p) {
+  return simde_mm512_castps_si512(maskz_loadu_ps(k, p));
+}
+
+inline simde__mmask16 cmpgt_epu32_mask(simde__m512i a, simde__m512i b) {
+  uint32_t x[16], y[16];
+  simde_mm512_storeu_si512(x, a);
+  simde_mm512_storeu_si512(y, b);
+  simde__mmask16 k = 0;
+  for (int i = 0; i < 16; ++i) k = simde__mmask16(k | (x[i] > y[i]) << i);
+  return k;
+}
+
+inline simde__m256i cvtepi32_epi16(simde__m512i a) {  // vpmovdw: truncation
+  uint32_t x[16];
+  uint16_t r[16];
+  simde_mm512_storeu_si512(x, a);
+  for (int i = 0; i < 16; ++i) r[i] = uint16_t(x[i]);
+  return simde_mm256_loadu_si256(r);
+}
+
 // GCC's _mm512_reduce_add_ps: (hi256 + lo256), then (hi128 + lo128), then lanes {2,3} onto
 // {0,1}, then lane 0 + lane 1.
 inline float reduce_add_ps(simde__m512 a) {
@@ -175,6 +196,12 @@ inline void tile_dpbssd(int c, int a, int b) {
 #define _mm512_maskz_loadu_ps(k, p) qspec_emu::maskz_loadu_ps(k, p)
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps(p, k, a) qspec_emu::mask_storeu_ps(p, k, a)
+#undef _mm512_maskz_loadu_epi32
+#define _mm512_maskz_loadu_epi32(k, p) qspec_emu::maskz_loadu_epi32(k, p)
+#undef _mm512_cmpgt_epu32_mask
+#define _mm512_cmpgt_epu32_mask(a, b) qspec_emu::cmpgt_epu32_mask(a, b)
+#undef _mm512_cvtepi32_epi16
+#define _mm512_cvtepi32_epi16(a) qspec_emu::cvtepi32_epi16(a)
 #undef _mm512_cvtepi8_epi32
 #define _mm512_cvtepi8_epi32(a) qspec_emu::widen_bytes<int8_t>(a)
 #undef _mm512_cvtepu8_epi32

@@ -1,12 +1,14 @@
 // AMX-BF16 GEMM for BF16 weights at every M: decode, verify and prefill (gemm_supports).
 // x is rounded to bf16 by the driver into [mpad][kp]: mpad = M rounded up to 16 (zero rows), or
 // 1 for M = 1, whose A tile reads that row 16 times (stride 0) instead of 15 zero rows that the
-// driver would write on every decode step.
+// driver would write on every decode step. Prefill (mpad > 64) gets x in the A-tile order
+// instead (xbf_tiles: each 16 rows x 32 k one contiguous 1 KB tile, no 4 KB-strided rows).
 // The packed BF16 layout is already the B-tile layout: one row block and 32 k = 16 rows of
 // 64 bytes (k pair x 16 columns), 1 KB contiguous.
 //
 // Every output element is one C-tile element: zeroed, then one TDPBF16PS per 32 k in k order
-// over all of K (no K split), from its own row of x and its row block of W. The SDM defines each
+// over all of K in k order (prefill may park the C tile in memory between K chunks: the same FP32
+// bits come back), from its own row of x and its row block of W. The SDM defines each
 // C row from its own A row only, so neither the other rows of x nor how many tiles of rows a call
 // has change a row's bits: M = 1..64 and prefill run the same arithmetic per row (batch
 // invariant). Tiles always hold 16 rows (padding rows past M): one tile configuration for every
@@ -18,11 +20,17 @@
 // Decode/verify (mpad <= 64): each B tile is loaded once per k step and used by every row tile
 // (the weight stream is read once for all M rows), with up to 4 independent C tiles in flight
 // to cover TDPBF16PS latency (M <= 16: 4 row blocks at once) and a software prefetch of each
-// row block's stream. Prefill (mpad > 64): 2 x 2 tiles per 32 rows, B re-read from cache.
+// row block's stream. Prefill (mpad > 64): 2 x 2 tiles per 32 rows, blocked for the caches
+// (prefill_blocks).
 // Tested against ref on a Sapphire Rapids VM and under emulation (tests/test_isa_emulation.py).
 // There (Qwen2.5-Coder-1.5B shapes, 2 threads, `qspec bench kernels`): one row at ~80% of the
-// read bandwidth, v(8) = 1.36 and v(16) = 1.53 one-row passes; prefill GEMMs 620-790 GFLOP/s
-// (15-19% of the 4 TFLOP/s peak at 2 GHz: B and A tiles stream from L2 for every 4 TDPBF16PS).
+// read bandwidth, v(8) = 1.36 and v(16) = 1.53 one-row passes. Prefill, [2048 x 1536] x
+// [17920 x 1536]^T: 0.6x torch's oneDNN BF16 GEMM in the same process with the whole M per row
+// block pair (x re-read from L3 for every 32 outputs, rows 4 KB apart), 0.8-0.9x blocked with
+// x in tile order (1.1-1.2 TFLOP/s of the ~4 TFLOP/s peak; the down projection, K = 8960,
+// ~0.5x: its fp32 -> bf16 rounding of x is ~18% of the call, a cost torch's bf16 input skips).
+// Tried there, no faster: software prefetch of the next A tiles, K chunks of 512 (B of a pair
+// of row blocks kept in L1), 32 or 64 row blocks per piece.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -39,6 +47,11 @@ namespace {
 
 constexpr int64_t kTileBytes = 1024;         // one B tile: 16 k pairs x 16 rows x 2 bf16
 constexpr int64_t kDefaultPrefetch = 2 * kTileBytes;  // bytes ahead in each row block's stream
+// Prefill blocking (prefill_blocks); kChunkRows * kSubBlocks * kRows = kAmxPrefillScratch.
+constexpr int64_t kChunkRows = 256;
+constexpr int64_t kSubBlocks = 16;
+constexpr int64_t kChunkK = 2048;
+static_assert(kChunkRows * kSubBlocks * kRows == kAmxPrefillScratch, "scratch of prefill_blocks");
 
 // Every tile 16 rows x 64 bytes. Tiles 0-3: C (16 x 16 fp32), 4-5: A (16 rows x 32 bf16),
 // 6-7: B (16 k pairs x 16 x 2 bf16).
@@ -69,6 +82,24 @@ inline void tile_store(float* c) {
   if constexpr (T == 1) _tile_stored(1, c, 64);
   if constexpr (T == 2) _tile_stored(2, c, 64);
   if constexpr (T == 3) _tile_stored(3, c, 64);
+}
+
+template <int T>
+inline void tile_store_to(float* c, int64_t stride) {
+  static_assert(T >= 0 && T < 4, "C tiles are 0-3");
+  if constexpr (T == 0) _tile_stored(0, c, stride);
+  if constexpr (T == 1) _tile_stored(1, c, stride);
+  if constexpr (T == 2) _tile_stored(2, c, stride);
+  if constexpr (T == 3) _tile_stored(3, c, stride);
+}
+
+template <int T>
+inline void tile_load_c(const float* c) {
+  static_assert(T >= 0 && T < 4, "C tiles are 0-3");
+  if constexpr (T == 0) _tile_loadd(0, c, 64);
+  if constexpr (T == 1) _tile_loadd(1, c, 64);
+  if constexpr (T == 2) _tile_loadd(2, c, 64);
+  if constexpr (T == 3) _tile_loadd(3, c, 64);
 }
 
 template <int T>
@@ -108,28 +139,48 @@ inline void store_tile_rows(const GemmArgs& a, const float* c, int64_t m0, int64
     std::memcpy(a.y + (m0 + r) * a.ldy + n0, c + r * 16, size_t(cols) * 4);
 }
 
-// MT row tiles of x (16 rows each, from row m0) x NBB row blocks of W (from nb), over all of K.
-// C tile of (row tile i, block j): i * NBB + j; A of row tile i: 4 + i % 2; B of block j:
-// 6 + j % 2. Row tile i loads its A tile first, row tile 0 loads each B tile: with MT * NBB <= 4
-// a tile is reloaded only after the products that read it (MT >= 2 means NBB <= 2).
+// Where a tile_step's C tiles start and end: zero and y (in = out = nullptr), or 16 x 16 fp32
+// tiles of partial sums (a prefill chunk's, between its K chunks): tile (i, j) at
+// in / out + i * row_stride + j * 256 floats. A tile stored and loaded again holds the same FP32
+// bits, so splitting K into chunks keeps every C element's sequence of TDPBF16PS.
+struct CTiles {
+  const float* in = nullptr;
+  float* out = nullptr;
+  int64_t row_stride = 0;
+};
+
+// MT row tiles of x (16 rows each, from row m0) x NBB row blocks of W (from nb), over k in
+// [k0, k1) (multiples of 32). C tile of (row tile i, block j): i * NBB + j; A of row tile i:
+// 4 + i % 2; B of block j: 6 + j % 2. Row tile i loads its A tile first, row tile 0 loads each
+// B tile: with MT * NBB <= 4 a tile is reloaded only after the products that read it (MT >= 2
+// means NBB <= 2). prefetch: bytes ahead in each block's B stream (0: none).
 template <int MT, int NBB>
-void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t prefetch) {
+void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, int64_t prefetch,
+               const CTiles& ct = {}) {
   static_assert(MT >= 1 && NBB >= 1 && MT * NBB <= 4, "4 C tiles");
   const int64_t xstride = a.kp * 2;      // bytes per row of x
-  const int64_t astride = a.mpad == 1 ? 0 : xstride;  // M = 1: row 0 in every row of the A tile
+  // M = 1: row 0 in every row of the A tile; prefill: 1 KB A tiles (xbf_tiles), k step after k step
+  const int64_t astride = a.xbf_tiles ? 64 : a.mpad == 1 ? 0 : xstride;
+  const int64_t akstep = a.xbf_tiles ? 32 : 2;  // bytes of a row tile's x per k
   const int64_t bstride = a.kp * 32;     // bytes per row block of W: kp/2 pairs x 64 bytes
   const uint8_t* xa = reinterpret_cast<const uint8_t*>(a.xbf) + m0 * xstride;
   const uint8_t* wb = a.data + nb * bstride;
-  unrolled<MT * NBB>([](auto t) { tile_zero<decltype(t)::value>(); });
-  for (int64_t k0 = 0; k0 < a.kp; k0 += 32) {
-    const uint8_t* bk = wb + k0 * 32;  // this k step's B tile of block 0 (k0/2 pairs x 64 bytes)
+  unrolled<MT>([&](auto i) {
+    unrolled<NBB>([&](auto j) {
+      constexpr int I = decltype(i)::value, J = decltype(j)::value;
+      if (ct.in) tile_load_c<I * NBB + J>(ct.in + I * ct.row_stride + J * 256);
+      else tile_zero<I * NBB + J>();
+    });
+  });
+  for (int64_t k = k0; k < k1; k += 32) {
+    const uint8_t* bk = wb + k * 32;  // this k step's B tile of block 0 (k/2 pairs x 64 bytes)
     if (prefetch > 0)
       for (int j = 0; j < NBB; ++j)
         for (int64_t line = 0; line < kTileBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(bk + j * bstride + prefetch + line), _MM_HINT_T0);
     unrolled<MT>([&](auto i) {
       constexpr int I = decltype(i)::value;
-      tile_load<4 + I % 2>(xa + I * 16 * xstride + k0 * 2, astride);
+      tile_load<4 + I % 2>(xa + I * 16 * xstride + k * akstep, astride);
       unrolled<NBB>([&](auto j) {
         constexpr int J = decltype(j)::value;
         if constexpr (I == 0) tile_load<6 + J % 2>(bk + J * bstride, 64);
@@ -142,8 +193,14 @@ void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t prefetch) {
     constexpr int I = decltype(i)::value;
     unrolled<NBB>([&](auto j) {
       constexpr int J = decltype(j)::value;
-      tile_store<I * NBB + J>(c);
-      store_tile_rows(a, c, m0 + I * 16, (nb + J) * kRows);
+      if (ct.out) {
+        tile_store<I * NBB + J>(ct.out + I * ct.row_stride + J * 256);
+      } else if (m0 + I * 16 + 16 <= a.m && (nb + J + 1) * kRows <= a.n) {  // a whole tile of y
+        tile_store_to<I * NBB + J>(a.y + (m0 + I * 16) * a.ldy + (nb + J) * kRows, a.ldy * 4);
+      } else {
+        tile_store<I * NBB + J>(c);
+        store_tile_rows(a, c, m0 + I * 16, (nb + J) * kRows);
+      }
     });
   });
 }
@@ -155,15 +212,50 @@ void verify_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t prefetch
   for (int64_t nb = nb0; nb < nb1; nb += kGroup) {
     const int64_t left = nb1 - nb;
     if constexpr (kGroup == 4) {
-      if (left >= 4) tile_step<MT, 4>(a, nb, 0, prefetch);
-      else if (left == 3) tile_step<MT, 3>(a, nb, 0, prefetch);
-      else if (left == 2) tile_step<MT, 2>(a, nb, 0, prefetch);
-      else tile_step<MT, 1>(a, nb, 0, prefetch);
+      if (left >= 4) tile_step<MT, 4>(a, nb, 0, 0, a.kp, prefetch);
+      else if (left == 3) tile_step<MT, 3>(a, nb, 0, 0, a.kp, prefetch);
+      else if (left == 2) tile_step<MT, 2>(a, nb, 0, 0, a.kp, prefetch);
+      else tile_step<MT, 1>(a, nb, 0, 0, a.kp, prefetch);
     } else if constexpr (kGroup == 2) {
-      if (left >= 2) tile_step<MT, 2>(a, nb, 0, prefetch);
-      else tile_step<MT, 1>(a, nb, 0, prefetch);
+      if (left >= 2) tile_step<MT, 2>(a, nb, 0, 0, a.kp, prefetch);
+      else tile_step<MT, 1>(a, nb, 0, 0, a.kp, prefetch);
     } else {
-      tile_step<MT, 1>(a, nb, 0, prefetch);
+      tile_step<MT, 1>(a, nb, 0, 0, a.kp, prefetch);
+    }
+  }
+}
+
+// Prefill (mpad > 64), blocked for the caches: chunks of kChunkRows rows (their x rows of one K
+// chunk stay in L2 while every row block of the piece passes), pieces of kSubBlocks row blocks
+// (their partial sums, chunk rows x 256 fp32, stay in L2 between K chunks), K chunks of kChunkK
+// (a pair of row blocks' B tiles, 32 KB, stay in L1 while the chunk's 32-row groups pass).
+// cbuf: kAmxPrefillScratch floats.
+void prefill_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* cbuf) {
+  for (int64_t m0 = 0; m0 < a.mpad; m0 += kChunkRows) {
+    const int64_t mc = a.mpad - m0 < kChunkRows ? a.mpad - m0 : kChunkRows;  // a multiple of 16
+    for (int64_t s0 = nb0; s0 < nb1; s0 += kSubBlocks) {
+      const int64_t s1 = nb1 - s0 < kSubBlocks ? nb1 : s0 + kSubBlocks;
+      CTiles ct;
+      ct.row_stride = (s1 - s0) * 256;
+      const int64_t nk = (a.kp + kChunkK - 1) / kChunkK;          // K chunks of at most kChunkK,
+      const int64_t kc = ((a.kp + nk - 1) / nk + 31) / 32 * 32;  // balanced, whole k steps
+      for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
+        const int64_t k1 = a.kp - k0 < kc ? a.kp : k0 + kc;
+        for (int64_t nb = s0; nb < s1; nb += 2) {
+          const bool two_b = nb + 1 < s1;
+          for (int64_t r = 0; r < mc; r += 32) {
+            const bool two_a = r + 16 < mc;
+            float* t = cbuf + (r / 16) * ct.row_stride + (nb - s0) * 256;
+            ct.in = k0 == 0 ? nullptr : t;
+            ct.out = k1 == a.kp ? nullptr : t;
+            const int64_t m = m0 + r;
+            if (two_a && two_b) tile_step<2, 2>(a, nb, m, k0, k1, 0, ct);
+            else if (two_a) tile_step<2, 1>(a, nb, m, k0, k1, 0, ct);
+            else if (two_b) tile_step<1, 2>(a, nb, m, k0, k1, 0, ct);
+            else tile_step<1, 1>(a, nb, m, k0, k1, 0, ct);
+          }
+        }
+      }
     }
   }
 }
@@ -178,17 +270,7 @@ void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
     case 2: verify_blocks<2>(a, nb0, nb1, prefetch); break;
     case 3: verify_blocks<3>(a, nb0, nb1, prefetch); break;
     case 4: verify_blocks<4>(a, nb0, nb1, prefetch); break;
-    default:  // prefill: 2 row blocks x 32 rows at a time, the blocks' B re-read from cache
-      for (int64_t nb = nb0; nb < nb1; nb += 2) {
-        const bool two_b = nb + 1 < nb1;
-        for (int64_t m0 = 0; m0 < a.mpad; m0 += 32) {
-          const bool two_a = m0 + 16 < a.mpad;
-          if (two_a && two_b) tile_step<2, 2>(a, nb, m0, prefetch);
-          else if (two_a) tile_step<2, 1>(a, nb, m0, prefetch);
-          else if (two_b) tile_step<1, 2>(a, nb, m0, prefetch);
-          else tile_step<1, 1>(a, nb, m0, prefetch);
-        }
-      }
+    default: prefill_blocks(a, nb0, nb1, acc);
   }
   _tile_release();
 }

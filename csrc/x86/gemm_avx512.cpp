@@ -214,6 +214,32 @@ void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc)
   }
 }
 
+// fp32 -> bf16 bits, round to nearest even (u + 0x7FFF + bit 16), NaN quieted (u | 0x400000):
+// 16 values a step, the row's tail through masks, zeros from k to kp. tiles: the AMX A-tile
+// layout (gemm_internal.h).
+void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, uint16_t* out,
+                            int64_t row0, bool tiles) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+  const __m512i quiet = _mm512_set1_epi32(0x00400000), bias = _mm512_set1_epi32(0x7FFF);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* src = x + i * ldx;
+    const int64_t r = row0 + i;
+    uint16_t* dst = tiles ? out + (r / 16) * 16 * kp + (r % 16) * 32 : out + r * kp;
+    const int64_t block_stride = tiles ? 512 : 32;  // elements from one 32-column block to the next
+    for (int64_t c = 0; c < kp; c += 16) {
+      const __mmask16 in = c + 16 <= k ? __mmask16(0xFFFF) : c >= k ? __mmask16(0) : __mmask16((1u << (k - c)) - 1);
+      const __m512i u = _mm512_maskz_loadu_epi32(in, src + c);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      __m512i v = _mm512_add_epi32(_mm512_add_epi32(u, bias), odd);
+      v = _mm512_mask_or_epi32(v, nan, u, quiet);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (c / 32) * block_stride + c % 32),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+    }
+  }
+}
+
 // vdpbf16ps: M > 1 in row tiles of at most 8 rows, split evenly (M = 9: 5 + 4), and as many row
 // blocks as keep ~24 accumulator chains in flight (rows x blocks; + blocks weight vectors + one
 // broadcast <= 32 zmm), so the product latency is covered and each broadcast pair of x serves
