@@ -26,14 +26,22 @@
 // streamed for all pairs; each row's remaining logical keys are gathered from their slots into
 // the same 32-key blocks from key 0, so a tree row's arithmetic is a linear row's at its position.
 //
+// Vector work around the tiles: each pair's q parts are built 16 pairs at a time and put into
+// the B layout by a 16 x 16 dword transpose; a score tile is transposed back so each pair's 16
+// scores are one vector (scale, masked store, running max in 16 lanes). Up to 4 C tiles are in
+// flight (score_tiles: 2 key blocks x 2 pair blocks or 4 key blocks x 1; value_tiles: 4 column
+// tiles). None of this changes a bit: every C element sees the same TDPBF16PS sequence.
+//
 // Checked against the float64 oracle, for batch invariance and tree == linear rows on a Sapphire
 // Rapids VM and under emulation (tests/test_isa_emulation.py). Speed there (`qspec bench
-// attention`, 2 threads): level with the AVX-512 path (0.84-1.05x its time at 5-16 rows, 1.1-1.2x
-// at one row), ~130 GFLOP/s at 16 rows, far below the tiles' peak. Tried there and measured no
-// faster, so not kept: one BF16 part for q and the weights (a third of the TDPBF16PS), K read in
-// place from the cache, all four K chunks held in tiles, software prefetch, a vectorized q split,
-// AVX-512 V staging; the profile was spread over the strided K/V row loads, the per-pair score
-// gathers and maxima, and the V-sum tile loads/stores of each 256-key unit.
+// attention --paths avx512,amx --prefill`, 2 threads, Qwen2.5-Coder-1.5B's 12/2 heads of 128):
+// a whole 2,048-token prompt 0.70x the AVX-512 kernel's time (was 1.07x with scalar q parts and
+// score gathers), 8,192 tokens 0.77x; 16 rows at 2k-8k keys 0.65x; one row still 1.2-1.4x
+// (per-key work of a 6-pair tile). Tried before and measured no faster, so not kept: one BF16
+// part for q and the weights (a third of the TDPBF16PS), K read in place from the cache, all four
+// K chunks held in tiles, software prefetch, AVX-512 V staging. Left: the q rows of a unit are
+// loaded again for each of its segments (units run segment by segment), the K/V staging copies,
+// and the segment partials (m x heads x segments x (head_dim + 2) floats) written and merged.
 #include <immintrin.h>
 
 #include <cmath>
@@ -88,14 +96,90 @@ inline void split3x16(const float* x, uint16_t* dst, int64_t part_stride) {
   }
 }
 
-// Every tile 16 rows x 64 bytes. Tile 0: C (FP32), 1: A, 2: B.
-void configure_tiles() {
-  detail::amx::TileConfig cfg = detail::amx::tile_config();
-  for (int t = 0; t < 3; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+// r[i] = row i of a 16 x 16 matrix of 32-bit values; afterwards r[i] = its column i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
-  detail::amx::load_tile_config(cfg);
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xDD);
+  }
+}
+
+inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to [0, 16]
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+using detail::amx::tile_dpbf16;
+using detail::amx::tile_load;
+using detail::amx::tile_store;
+using detail::amx::tile_zero;
+using detail::amx::unrolled;
+
+constexpr int64_t kStageKeys = 64;  // keys staged per score step: up to 4 key blocks in tiles at once
+
+// Scores Sᵀ of KB staged key blocks (16 keys each, from ks) x PB tile blocks of pairs (from
+// block b) into the C tiles 0 .. KB·PB-1, stored to ct (256 floats each, tile kb·PB + pb). A
+// (K chunk) of key block kb: tile 4 + kb % 2; B (q part) of pair block pb: 6 + pb; every C tile
+// takes its parts lo, mid, hi and chunks c in that order (the sums of one C tile never depend on
+// the other tiles in flight).
+template <int KB, int PB>
+void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b, int64_t nch, float* ct) {
+  static_assert(KB * PB <= 4 && PB <= 2 && KB <= 4, "4 C tiles, 2 B tiles");
+  unrolled<KB * PB>([](auto t) { tile_zero<decltype(t)::value>(); });
+  for (int p = kParts - 1; p >= 0; --p)  // lo, mid, hi: the small sums first
+    for (int64_t c = 0; c < nch; ++c)
+      unrolled<KB>([&](auto kb) {
+        constexpr int K = decltype(kb)::value;
+        tile_load<4 + K % 2>(ks + K * kTile * hdp + c * 32, hdp * 2);
+        unrolled<PB>([&](auto pb) {
+          constexpr int P = decltype(pb)::value;
+          if constexpr (K == 0) tile_load<6 + P>(qb + (((b + P) * nch + c) * kParts + p) * kTileElems, 64);
+          tile_dpbf16<K * PB + P, 4 + K % 2, 6 + P>();
+        });
+      });
+  unrolled<KB * PB>([&](auto t) {
+    constexpr int T = decltype(t)::value;
+    tile_store<T>(ct + T * 256, 64);
+  });
+}
+
+// out (NC tiles of 16 pairs x 16 columns, 256 floats each) = Σ_part w_part · V for the value
+// columns of B tiles vs[0 .. NC): C tiles 0 .. NC-1 from zero, parts lo, mid, hi in that order
+// per tile; A (the part) tile 4, B tiles 6 + c % 2.
+template <int NC>
+void value_tiles(const uint16_t* ws, const uint16_t* vs, float* out) {
+  static_assert(NC >= 1 && NC <= 4, "4 C tiles");
+  unrolled<NC>([](auto t) { tile_zero<decltype(t)::value>(); });
+  for (int p = kParts - 1; p >= 0; --p) {  // lo, mid, hi
+    tile_load<4>(ws + p * kTileElems, 64);
+    unrolled<NC>([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      tile_load<6 + C % 2>(vs + C * kTileElems, 64);
+      tile_dpbf16<C, 4, 6 + C % 2>();
+    });
+  }
+  unrolled<NC>([&](auto t) {
+    constexpr int T = decltype(t)::value;
+    tile_store<T>(out + T * 256, 64);
+  });
 }
 
 void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t seg,
@@ -117,18 +201,21 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t sc_stride = round_up(n_max, kVKeys) + 16;
 
   // Scratch (64-byte aligned regions): scores | V sums [pairs][hdp] | max, Σ per pair | C tile |
+  // running max lanes [pairs][16] |
   // q parts as B tiles [block][chunk][part] | staged K [16][hdp] | staged V [hdp / 16 tiles] |
   // weight parts [part][16 pairs][32 keys].
-  const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16);
-  const int64_t h_q = nblk * nch * kParts * kTileElems, h_k = kTile * hdp, h_v = (hdp / 16) * kTileElems,
+  const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
+                f_vmax = round_up(np, 16) * 16;
+  const int64_t h_q = nblk * nch * kParts * kTileElems, h_k = kStageKeys * hdp, h_v = (hdp / 16) * kTileElems,
                 h_w = kParts * kTileElems;
-  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + 256 + (h_q + h_k + h_v + h_w) / 2 + 64);
+  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + 64);
   float* scores = buf;
   float* accs = scores + round_up(f_scores, 16);
   float* maxs = accs + f_accs;
   float* sums = maxs + f_max / 2;
   float* ctile = maxs + f_max;
-  uint16_t* qb = reinterpret_cast<uint16_t*>(ctile + 256);
+  float* vmax = ctile + 4 * 256;  // ctile: 4 C tiles
+  uint16_t* qb = reinterpret_cast<uint16_t*>(vmax + f_vmax);
   uint16_t* kst = qb + h_q;
   uint16_t* vst = kst + h_k;
   uint16_t* wst = vst + h_v;
@@ -138,44 +225,87 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };  // keys 0..p
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
-  configure_tiles();
+  detail::amx::configure_16x64();
 
-  // q parts as B tiles: B[r][pair][i] = part of q_pair[32c + 2r + i]; padding pairs and
-  // columns zero.
-  std::memset(qb, 0, size_t(h_q) * 2);
-  for (int64_t u = 0; u < np; ++u) {
-    const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
-    const int64_t b = u / kTile, pr = u % kTile;
-    for (int64_t d = 0; d < hd; ++d) {
-      const int64_t c = d / 32, r = (d % 32) / 2, i = d % 2;
-      split3(q[d], qb + ((b * nch + c) * kParts) * kTileElems + (r * kTile + pr) * 2 + i, kTileElems);
+  // q parts as B tiles: B[r][pair][i] = part of q_pair[32c + 2r + i] (split3's parts, the
+  // truncations of the remainder); padding pairs and columns zero. Per tile block and 32-column
+  // chunk: each pair's part as 16 dwords (dims 2r, 2r + 1), the 16 x 16 dwords transposed into
+  // the tile's rows r.
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  for (int64_t b = 0; b < nblk; ++b)
+    for (int64_t c = 0; c < nch; ++c) {
+      __m512 x0[kTile], x1[kTile];  // each pair's dims 32c .. 32c + 15, + 16 .. 31 (remainders)
+      for (int64_t pr = 0; pr < kTile; ++pr) {
+        const int64_t u = b * kTile + pr;
+        if (u >= np) {
+          x0[pr] = x1[pr] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd + c * 32;
+        x0[pr] = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32), q);
+        x1[pr] = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32 - 16), q + 16);
+      }
+      for (int p = 0; p < kParts; ++p) {
+        __m512 r[kTile];
+        for (int64_t pr = 0; pr < kTile; ++pr) {
+          const __m512i h0 = _mm512_and_si512(_mm512_castps_si512(x0[pr]), top);
+          const __m512i h1 = _mm512_and_si512(_mm512_castps_si512(x1[pr]), top);
+          const __m512i lo = _mm512_srli_epi32(_mm512_permutex2var_epi32(h0, evens, h1), 16);
+          r[pr] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_permutex2var_epi32(h0, odds, h1)));
+          x0[pr] = _mm512_sub_ps(x0[pr], _mm512_castsi512_ps(h0));
+          x1[pr] = _mm512_sub_ps(x1[pr], _mm512_castsi512_ps(h1));
+        }
+        transpose16(r);
+        uint16_t* dst = qb + ((b * nch + c) * kParts + p) * kTileElems;
+        for (int64_t rr = 0; rr < kTile; ++rr) _mm512_storeu_ps(reinterpret_cast<float*>(dst + rr * 2 * kTile), r[rr]);
+      }
     }
-    maxs[u] = -INFINITY;
-  }
+  for (int64_t u = 0; u < round_up(np, kTile); ++u) _mm512_storeu_ps(vmax + u * 16, _mm512_set1_ps(-INFINITY));
   std::memset(kst, 0, size_t(h_k) * 2);
 
-  // Scores of staged keys [j0, j0 + nk) for the pairs of tile blocks [b0, b1) that `want`.
-  auto score_block = [&](int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& want) {
-    for (int64_t t = nk; t < kTile; ++t) std::memset(kst + t * hdp, 0, size_t(hd) * 2);
-    for (int64_t b = b0; b < b1; ++b) {
-      _tile_zero(0);
-      for (int p = kParts - 1; p >= 0; --p)  // lo, mid, hi: the small sums first
-        for (int64_t c = 0; c < nch; ++c) {
-          _tile_loadd(1, kst + c * 32, hdp * 2);
-          _tile_loadd(2, qb + ((b * nch + c) * kParts + p) * kTileElems, 64);
-          _tile_dpbf16ps(0, 1, 2);
-        }
-      _tile_stored(0, ctile, 64);
-      for (int64_t pr = 0; pr < kTile && b * kTile + pr < np; ++pr) {
-        const int64_t u = b * kTile + pr;
-        if (!want(u)) continue;
-        const int64_t e = n_of(u) - j0 < nk ? n_of(u) - j0 : nk;
-        float* sc = scores + u * sc_stride + j0;
-        for (int64_t t = 0; t < e; ++t) {
-          sc[t] = ctile[t * kTile + pr] * a.scale;
-          maxs[u] = sc[t] > maxs[u] ? sc[t] : maxs[u];
-        }
+  const __m512 vscale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  // Scores of staged keys [j0, j0 + nk) (nk <= kStageKeys) for the pairs of tile blocks [b0, b1)
+  // that `want`; each pair's running max as 16 lanes (vmax), folded into maxs before pass 2.
+  // Tiles: 2 key blocks x 2 pair blocks, or up to 4 key blocks of one pair block.
+  auto extract = [&](const float* ct, int64_t jb, int64_t nkb, int64_t b, auto&& want) {
+    __m512 r[kTile];  // Sᵀ[key][pair] -> per pair its 16 keys' scores
+    for (int64_t t = 0; t < kTile; ++t) r[t] = _mm512_loadu_ps(ct + t * kTile);
+    transpose16(r);
+    for (int64_t pr = 0; pr < kTile && b * kTile + pr < np; ++pr) {
+      const int64_t u = b * kTile + pr;
+      if (!want(u)) continue;
+      const __mmask16 live = first_lanes(n_of(u) - jb < nkb ? n_of(u) - jb : nkb);
+      const __m512 sc = _mm512_mul_ps(r[pr], vscale);
+      _mm512_mask_storeu_ps(scores + u * sc_stride + jb, live, sc);
+      // a NaN score is skipped (max_ps returns its second operand), as a scalar fold would
+      const __m512 folded = _mm512_max_ps(_mm512_mask_blend_ps(live, neg_inf, sc), _mm512_loadu_ps(vmax + u * 16));
+      _mm512_storeu_ps(vmax + u * 16, folded);
+    }
+  };
+  auto score_keys = [&](int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& want) {
+    const int64_t nkb = (nk + kTile - 1) / kTile;  // key blocks staged
+    for (int64_t t = nk; t < nkb * kTile; ++t) std::memset(kst + t * hdp, 0, size_t(hd) * 2);
+    auto keys_of = [&](int64_t kb) { return nk - kb * kTile < kTile ? nk - kb * kTile : kTile; };
+    int64_t b = b0;
+    for (; b + 1 < b1; b += 2)
+      for (int64_t kb = 0; kb < nkb; kb += 2) {
+        const int64_t two = kb + 1 < nkb;
+        if (two) score_tiles<2, 2>(kst + kb * kTile * hdp, hdp, qb, b, nch, ctile);
+        else score_tiles<1, 2>(kst + kb * kTile * hdp, hdp, qb, b, nch, ctile);
+        for (int64_t k = 0; k <= two; ++k)
+          for (int64_t pb = 0; pb < 2; ++pb)
+            extract(ctile + (k * 2 + pb) * 256, j0 + (kb + k) * kTile, keys_of(kb + k), b + pb, want);
       }
+    if (b < b1) {
+      switch (nkb) {
+        case 4: score_tiles<4, 1>(kst, hdp, qb, b, nch, ctile); break;
+        case 3: score_tiles<3, 1>(kst, hdp, qb, b, nch, ctile); break;
+        case 2: score_tiles<2, 1>(kst, hdp, qb, b, nch, ctile); break;
+        default: score_tiles<1, 1>(kst, hdp, qb, b, nch, ctile);
+      }
+      for (int64_t kb = 0; kb < nkb; ++kb) extract(ctile + kb * 256, j0 + kb * kTile, keys_of(kb), b, want);
     }
   };
   auto all_pairs = [](int64_t) { return true; };
@@ -193,19 +323,24 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     }
   };
   // Pass 1, shared keys.
-  for (int64_t j0 = kbeg; j0 < n_sh; j0 += kTile) {
-    const int64_t nk = n_sh - j0 < kTile ? n_sh - j0 : kTile;
+  for (int64_t j0 = kbeg; j0 < n_sh; j0 += kStageKeys) {
+    const int64_t nk = n_sh - j0 < kStageKeys ? n_sh - j0 : kStageKeys;
     for (int64_t t = 0; t < nk; ++t) std::memcpy(kst + t * hdp, a.kv.k(a.layer, j0 + t) + kvh * hd, size_t(hd) * 2);
-    score_block(j0, nk, 0, nblk, all_pairs);
+    score_keys(j0, nk, 0, nblk, all_pairs);
   }
   // Pass 1, each tree row's own keys.
-  tree_blocks(kTile, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
+  tree_blocks(kStageKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
     for (int64_t t = 0; t < nk; ++t)
       std::memcpy(kst + t * hdp, a.kv.k(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd, size_t(hd) * 2);
-    score_block(j0, nk, b0, b1, mine);
+    score_keys(j0, nk, b0, b1, mine);
   });
 
   // Pass 2: per pair, over its own keys of this segment.
+  for (int64_t u = 0; u < np; ++u) {
+    float m = -INFINITY;
+    for (int l = 0; l < 16; ++l) m = vmax[u * 16 + l] > m ? vmax[u * 16 + l] : m;
+    maxs[u] = m;
+  }
   for (int64_t u = 0; u < np; ++u) {
     if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;
     float* sc = scores + u * sc_stride;
@@ -255,17 +390,20 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       for (; t + 16 <= e; t += 16) split3x16(w + t, wst + pr * kVKeys + t, kTileElems);
       for (; t < e; ++t) split3(w[t], wst + pr * kVKeys + t, kTileElems);
     }
-    for (int64_t c = 0; c < hdp / 16; ++c) {
-      _tile_zero(0);
-      _tile_loadd(2, vst + c * kTileElems, 64);
-      for (int p = kParts - 1; p >= 0; --p) {  // lo, mid, hi
-        _tile_loadd(1, wst + p * kTileElems, 64);
-        _tile_dpbf16ps(0, 1, 2);
+    const int64_t ncol = hdp / 16;  // column tiles, up to 4 at once
+    for (int64_t c = 0; c < ncol; c += 4) {
+      switch (ncol - c < 4 ? ncol - c : 4) {
+        case 4: value_tiles<4>(wst, vst + c * kTileElems, ctile); break;
+        case 3: value_tiles<3>(wst, vst + c * kTileElems, ctile); break;
+        case 2: value_tiles<2>(wst, vst + c * kTileElems, ctile); break;
+        default: value_tiles<1>(wst, vst + c * kTileElems, ctile);
       }
-      _tile_stored(0, ctile, 64);
-      float* cp = accs + b * kTile * hdp + c * 16;  // the block's sums join the running ones
-      for (int64_t r = 0; r < kTile; ++r)
-        _mm512_storeu_ps(cp + r * hdp, _mm512_add_ps(_mm512_loadu_ps(cp + r * hdp), _mm512_loadu_ps(ctile + r * 16)));
+      for (int64_t t = 0; t < 4 && c + t < ncol; ++t) {
+        float* cp = accs + b * kTile * hdp + (c + t) * 16;  // the block's sums join the running ones
+        const float* ct = ctile + t * 256;
+        for (int64_t r = 0; r < kTile; ++r)
+          _mm512_storeu_ps(cp + r * hdp, _mm512_add_ps(_mm512_loadu_ps(cp + r * hdp), _mm512_loadu_ps(ct + r * 16)));
+      }
     }
   };
   for (int64_t j0 = kbeg; j0 < n_sh; j0 += kVKeys) {

@@ -35,8 +35,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
-#include <utility>
 
 #include "amx_tiles.h"
 #include "gemm_internal.h"
@@ -53,85 +51,11 @@ constexpr int64_t kSubBlocks = 16;
 constexpr int64_t kChunkK = 2048;
 static_assert(kChunkRows * kSubBlocks * kRows == kAmxPrefillScratch, "scratch of prefill_blocks");
 
-// Every tile 16 rows x 64 bytes. Tiles 0-3: C (16 x 16 fp32), 4-5: A (16 rows x 32 bf16),
-// 6-7: B (16 k pairs x 16 x 2 bf16).
-void configure_tiles() {
-  amx::TileConfig cfg = amx::tile_config();
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  amx::load_tile_config(cfg);
-}
-
-// The tile intrinsics take tile numbers as literal tokens (pasted into the asm), so the
-// numbers chosen at compile time are spelled out here.
-template <int T>
-inline void tile_zero() {
-  static_assert(T >= 0 && T < 4, "C tiles are 0-3");
-  if constexpr (T == 0) _tile_zero(0);
-  if constexpr (T == 1) _tile_zero(1);
-  if constexpr (T == 2) _tile_zero(2);
-  if constexpr (T == 3) _tile_zero(3);
-}
-
-template <int T>
-inline void tile_store(float* c) {
-  static_assert(T >= 0 && T < 4, "C tiles are 0-3");
-  if constexpr (T == 0) _tile_stored(0, c, 64);
-  if constexpr (T == 1) _tile_stored(1, c, 64);
-  if constexpr (T == 2) _tile_stored(2, c, 64);
-  if constexpr (T == 3) _tile_stored(3, c, 64);
-}
-
-template <int T>
-inline void tile_store_to(float* c, int64_t stride) {
-  static_assert(T >= 0 && T < 4, "C tiles are 0-3");
-  if constexpr (T == 0) _tile_stored(0, c, stride);
-  if constexpr (T == 1) _tile_stored(1, c, stride);
-  if constexpr (T == 2) _tile_stored(2, c, stride);
-  if constexpr (T == 3) _tile_stored(3, c, stride);
-}
-
-template <int T>
-inline void tile_load_c(const float* c) {
-  static_assert(T >= 0 && T < 4, "C tiles are 0-3");
-  if constexpr (T == 0) _tile_loadd(0, c, 64);
-  if constexpr (T == 1) _tile_loadd(1, c, 64);
-  if constexpr (T == 2) _tile_loadd(2, c, 64);
-  if constexpr (T == 3) _tile_loadd(3, c, 64);
-}
-
-template <int T>
-inline void tile_load(const uint8_t* p, int64_t stride) {
-  static_assert(T >= 4 && T < 8, "A and B tiles are 4-7");
-  if constexpr (T == 4) _tile_loadd(4, p, stride);
-  if constexpr (T == 5) _tile_loadd(5, p, stride);
-  if constexpr (T == 6) _tile_loadd(6, p, stride);
-  if constexpr (T == 7) _tile_loadd(7, p, stride);
-}
-
-template <int C, int A, int B>
-inline void tile_dp() {
-  static_assert(C >= 0 && C < 4 && (A == 4 || A == 5) && (B == 6 || B == 7), "tile roles");
-#define QSPEC_TDP(c, a, b) \
-  if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
-  QSPEC_TDP(0, 4, 6) QSPEC_TDP(0, 4, 7) QSPEC_TDP(0, 5, 6) QSPEC_TDP(0, 5, 7)
-  QSPEC_TDP(1, 4, 6) QSPEC_TDP(1, 4, 7) QSPEC_TDP(1, 5, 6) QSPEC_TDP(1, 5, 7)
-  QSPEC_TDP(2, 4, 6) QSPEC_TDP(2, 4, 7) QSPEC_TDP(2, 5, 6) QSPEC_TDP(2, 5, 7)
-  QSPEC_TDP(3, 4, 6) QSPEC_TDP(3, 4, 7) QSPEC_TDP(3, 5, 6) QSPEC_TDP(3, 5, 7)
-#undef QSPEC_TDP
-}
-
-// f(integral_constant<int, 0>), ..., f(integral_constant<int, N-1>): compile-time tile numbers.
-template <class F, int... I>
-inline void unrolled(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, class F>
-inline void unrolled(F&& f) {
-  unrolled(f, std::make_integer_sequence<int, N>{});
-}
+using amx::tile_dpbf16;
+using amx::tile_load;
+using amx::tile_store;
+using amx::tile_zero;
+using amx::unrolled;
 
 inline void store_tile_rows(const GemmArgs& a, const float* c, int64_t m0, int64_t n0) {
   const int64_t cols = a.n - n0 < 16 ? a.n - n0 : 16;
@@ -168,7 +92,7 @@ void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
   unrolled<MT>([&](auto i) {
     unrolled<NBB>([&](auto j) {
       constexpr int I = decltype(i)::value, J = decltype(j)::value;
-      if (ct.in) tile_load_c<I * NBB + J>(ct.in + I * ct.row_stride + J * 256);
+      if (ct.in) tile_load<I * NBB + J>(ct.in + I * ct.row_stride + J * 256, 64);
       else tile_zero<I * NBB + J>();
     });
   });
@@ -184,7 +108,7 @@ void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
       unrolled<NBB>([&](auto j) {
         constexpr int J = decltype(j)::value;
         if constexpr (I == 0) tile_load<6 + J % 2>(bk + J * bstride, 64);
-        tile_dp<I * NBB + J, 4 + I % 2, 6 + J % 2>();
+        tile_dpbf16<I * NBB + J, 4 + I % 2, 6 + J % 2>();
       });
     });
   }
@@ -194,11 +118,11 @@ void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
     unrolled<NBB>([&](auto j) {
       constexpr int J = decltype(j)::value;
       if (ct.out) {
-        tile_store<I * NBB + J>(ct.out + I * ct.row_stride + J * 256);
+        tile_store<I * NBB + J>(ct.out + I * ct.row_stride + J * 256, 64);
       } else if (m0 + I * 16 + 16 <= a.m && (nb + J + 1) * kRows <= a.n) {  // a whole tile of y
-        tile_store_to<I * NBB + J>(a.y + (m0 + I * 16) * a.ldy + (nb + J) * kRows, a.ldy * 4);
+        tile_store<I * NBB + J>(a.y + (m0 + I * 16) * a.ldy + (nb + J) * kRows, a.ldy * 4);
       } else {
-        tile_store<I * NBB + J>(c);
+        tile_store<I * NBB + J>(c, 64);
         store_tile_rows(a, c, m0 + I * 16, (nb + J) * kRows);
       }
     });
@@ -264,7 +188,7 @@ void prefill_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* cbuf) {
 
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   const int64_t prefetch = a.prefetch > 0 ? a.prefetch : kDefaultPrefetch;
-  configure_tiles();  // tile state is per thread: every thread of the pool configures its own
+  amx::configure_16x64();  // tile state is per thread: every thread of the pool configures its own
   switch ((a.mpad + 15) / 16) {
     case 1: verify_blocks<1>(a, nb0, nb1, prefetch); break;
     case 2: verify_blocks<2>(a, nb0, nb1, prefetch); break;
