@@ -260,6 +260,60 @@ void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, in
 // pairs are grouped never changes a pair's arithmetic, so all of this may follow m and the
 // thread count freely. Pairs with more than one segment are merged afterwards.
 constexpr int64_t kAttnUnitPairs = 96;  // 16 rows of 6 heads per KV head measured best; 8-64 rows within 10%
+// From this many rows (a long prompt's prefill) a unit is (KV head, row chunk) over all of its
+// segments instead of one: its partials live in per-thread scratch and it merges its own pairs
+// (merge_segments, same order: the same bits), and its q rows stay in cache from segment to
+// segment. With one segment per unit, the partials of all rows (m x heads x segments x
+// (head_dim + 2) floats: 1.6 GB for an 8k prompt of the 1.5B) went through memory and each
+// segment reloaded every unit's q. Below it (decode, verify, short chunks) the segments of a
+// unit's K/V are shared by consecutive units in cache, which matters more.
+constexpr int64_t kAttnChunkUnitRows = 256;
+
+// Units of (KV head, row chunk) over all their segments (kAttnChunkUnitRows), the chunks with
+// the most segments first.
+void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
+  const int64_t group = a.n_heads / a.kv.kv_heads, kvh = a.kv.kv_heads;
+  const int64_t nt = Pool::instance().threads(), S = kAttnSegKeys;
+  int64_t rows_max = 0, seg_max = 1;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
+    rows_max = r1 - r0 > rows_max ? r1 - r0 : rows_max;
+    const int64_t segs = (attn_max_keys(a, r0, r1) + S - 1) / S;
+    seg_max = segs > seg_max ? segs : seg_max;
+  }
+  const int64_t slot_floats = rows_max * a.n_heads * seg_max * (a.kv.head_dim + 2);
+  thread_local std::vector<float> part_buf;  // a slot per thread (allocated here: workers never throw)
+  if (part_buf.size() < size_t(slot_floats * nt)) part_buf.resize(size_t(slot_floats * nt));
+  thread_local std::vector<float> ws_buf;
+  if (ws_buf.size() < size_t(seg_max * nt)) ws_buf.resize(size_t(seg_max * nt));
+  float* const parts = part_buf.data();
+  float* const wss = ws_buf.data();
+  const auto t_region = ProfClock::now();
+  std::atomic<int64_t> busy_ns{0};
+  parallel_for(chunks * kvh, 1, [&](int slot, int64_t w0, int64_t w1) {
+    const auto t_work = ProfClock::now();
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t c = chunks - 1 - w / kvh, h = w % kvh;
+      const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
+      if (r0 == r1) continue;
+      AttnPartials part;
+      part.data = parts + slot * slot_floats;
+      part.max_seg = seg_max;
+      part.row0 = r0;
+      const int64_t n_keys = attn_max_keys(a, r0, r1);
+      for (int64_t s = 0; s * S < n_keys; ++s) {
+        if (attn_min_key_lo(a, r0, r1) >= (s + 1) * S && s * S >= a.sink_keys) continue;  // as run_grouped
+        fn(a, h, r0 * group, r1 * group, s, part);
+      }
+      for (int64_t row = r0; row < r1; ++row)
+        if (attn_row_pos(a, row) >= S)
+          for (int64_t head = h * group; head < (h + 1) * group; ++head)
+            merge_segments(a, part, row, head, wss + slot * seg_max);
+    }
+    busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
+  });
+  attn_timing().add(seconds_between(t_region, ProfClock::now()), 1e-9 * double(busy_ns.load()), int(nt));
+}
 
 void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   const int64_t group = a.n_heads / a.kv.kv_heads;
@@ -277,6 +331,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   // 32-key block: Zen 3 AVX2, 2 threads, 12/2 heads of 128, 2,048 rows: 57 -> 119 GFLOP/s).
   const int64_t unit_rows = kAttnUnitPairs / group > 0 ? kAttnUnitPairs / group : 1;
   if ((a.m + unit_rows - 1) / unit_rows > chunks) chunks = (a.m + unit_rows - 1) / unit_rows;
+  if (a.m >= kAttnChunkUnitRows && max_seg > 1 && !a.tree && nt > 1) return run_chunk_units(fn, a, chunks);
   struct Unit {
     int64_t kvh, r0, r1, seg;
   };

@@ -236,12 +236,13 @@ inline int64_t attn_unit_keys(const AttnArgs& a, int64_t u0, int64_t u1, int64_t
 }
 
 struct AttnPartials {
-  // [m][n_heads][max_seg][head_dim + 2]: {max, Σ exp, Σ exp · V[0 .. head_dim)} per segment,
-  // V sums in natural column order.
+  // [rows from row0][n_heads][max_seg][head_dim + 2]: {max, Σ exp, Σ exp · V[0 .. head_dim)} per
+  // segment, V sums in natural column order.
   float* data = nullptr;
   int64_t max_seg = 0;
+  int64_t row0 = 0;
   float* at(const AttnArgs& a, int64_t row, int64_t head, int64_t seg) const {
-    return data + ((row * a.n_heads + head) * max_seg + seg) * (a.kv.head_dim + 2);
+    return data + (((row - row0) * a.n_heads + head) * max_seg + seg) * (a.kv.head_dim + 2);
   }
 };
 

@@ -228,8 +228,9 @@ def test_row_independent_of_batch(path, shape_name, start_pos):
 
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "ref"])
 def test_prefill_rows_equal_decode_rows(path):
-    """A 300-row prefill (split into units of a few rows each, csrc/attention.cpp run_grouped)
-    gives every row the bits of that row decoded alone, across several key segments."""
+    """A 300-row prefill (units of a row chunk over all its key segments, merged by the unit:
+    csrc/attention.cpp run_chunk_units) gives every row the bits of that row decoded alone
+    (units of one segment each, merged afterwards), across several key segments."""
     n_heads, kv_heads, head_dim = 12, 2, 128  # Qwen2.5-1.5B: 6 query heads per KV head
     kv = make_cache(kv_heads, head_dim)
     m, start_pos = 300, 700
