@@ -200,15 +200,15 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t nch = hdp / 32;                      // 32-column chunks of K
   const int64_t sc_stride = round_up(n_max, kVKeys) + 16;
 
-  // Scratch (64-byte aligned regions): scores | V sums [pairs][hdp] | max, Σ per pair | C tile |
-  // running max lanes [pairs][16] |
-  // q parts as B tiles [block][chunk][part] | staged K [16][hdp] | staged V [hdp / 16 tiles] |
-  // weight parts [part][16 pairs][32 keys].
+  // Scratch (64-byte aligned regions): scores | V sums [pairs][hdp] | max, Σ per pair | 4 C tiles |
+  // running max lanes [pairs][16] | q parts as B tiles [block][chunk][part] | staged K
+  // [kStageKeys][hdp] | staged V [hdp / 16 tiles] | weight parts [part][16 pairs][32 keys] |
+  // keys per pair (int32).
   const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
                 f_vmax = round_up(np, 16) * 16;
   const int64_t h_q = nblk * nch * kParts * kTileElems, h_k = kStageKeys * hdp, h_v = (hdp / 16) * kTileElems,
                 h_w = kParts * kTileElems;
-  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + 64);
+  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
   float* scores = buf;
   float* accs = scores + round_up(f_scores, 16);
   float* maxs = accs + f_accs;
@@ -222,7 +222,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
-  auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };  // keys 0..p
+  int32_t* const nfull = reinterpret_cast<int32_t*>(wst + h_w);  // per pair: keys 0..p
+  for (int64_t u = 0; u < np; ++u) nfull[u] = int32_t(attn_row_pos(a, row_of(u)) + 1);
+  auto n_full = [&](int64_t u) { return int64_t(nfull[u]); };
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
   detail::amx::configure_16x64();
