@@ -33,6 +33,10 @@ import numpy as np
 from .kv_cache import KVCache, Preempted
 
 MIN_CHUNK = 8  # prefill rows per step at least, with other sequences running
+# Prompt rows per pass at most, also alone: a pass's activations grow with its rows (~130 KB a
+# row for Qwen2.5-Coder-1.5B: a 32k-token prompt in one pass held ~4 GB of them), while the
+# GEMMs run at their full rate from a few hundred rows on and chunks keep every row's bits.
+PREFILL_ROWS = 2048
 
 
 @dataclass(eq=False)
@@ -117,14 +121,14 @@ class Batcher:
     def others(self, seq: Seq) -> int:
         return sum(1 for s in self.live if s is not seq)
 
-    def prefill_chunk(self, seq: Seq) -> int | None:
-        """Prompt rows `seq` should send in its next pass: None (all of them) when it runs alone,
-        else about one step's worth of rows (measured), at least MIN_CHUNK."""
+    def prefill_chunk(self, seq: Seq) -> int:
+        """Prompt rows `seq` should send in its next pass: PREFILL_ROWS when it runs alone, else
+        about one step's worth of rows (measured), at least MIN_CHUNK and at most PREFILL_ROWS."""
         if not self.others(seq):
-            return None
+            return PREFILL_ROWS
         if self._step_s is None or self._row_s is None:
             return MIN_CHUNK  # until a step and a prefill row are measured
-        return max(MIN_CHUNK, int(self._step_s / self._row_s) // 8 * 8)
+        return min(PREFILL_ROWS, max(MIN_CHUNK, int(self._step_s / self._row_s) // 8 * 8))
 
     def _exhausted(self, kv: KVCache) -> None:
         """kv needs a page and the budget is spent: preempt the newest sequence (kv's own when it

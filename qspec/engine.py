@@ -359,15 +359,15 @@ class Engine:
         Rows the pool's prefix cache holds for a leading part of `ids` (target rows of the same
         ids, same kernels; qspec/kv_cache.py) are adopted: only the rest is run, and at least the
         last token, for its logits. Every op is batch-invariant, so this is bit-identical to a
-        full prefill. With other sequences running, the prompt goes in chunks of about one
-        step's rows (Batcher.prefill_chunk), so their streams keep going."""
+        full prefill. The prompt goes in passes of at most PREFILL_ROWS rows (bounded memory),
+        with other sequences running in chunks of about one step's rows (Batcher.prefill_chunk),
+        so their streams keep going."""
         kv = be.kv
         t0 = time.perf_counter()
         reused = kv.adopt(ids, getattr(self.backend, "kernel_path", None))
         pos = reused
         while pos < len(ids):
-            chunk = self.batcher.prefill_chunk(seq)
-            end = len(ids) if chunk is None else min(len(ids), pos + chunk)
+            end = min(len(ids), pos + self.batcher.prefill_chunk(seq))
             logits = be.forward(ids[pos:end], pos, prefill=True)[-1]
             kv.length = pos = end
         stats.update(prompt_tokens=len(ids), prefill_s=time.perf_counter() - t0, cached_prompt_tokens=reused,

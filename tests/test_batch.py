@@ -106,6 +106,30 @@ def test_chunked_prefill_and_preemption_keep_the_output(default_model_dir):
     assert not eng.batcher.live and all(pool.refs == 0)  # every page back
 
 
+def test_a_prompt_alone_goes_in_passes_of_at_most_prefill_rows(eng, monkeypatch):
+    """A prompt longer than PREFILL_ROWS is prefilled in several passes even alone (bounded
+    activations), with the output of a one-pass prefill (rows are batch-invariant; bit
+    equality of chunked prefills: tests/test_long_context.py)."""
+    p = prompts(eng, 1)[0]
+    eng.backend.kv.forget()
+    whole = eng.generate(p, max_new_tokens=8)
+    passes = []
+    forward = qspec.batch.SeqBackend.forward
+
+    def spy(self, tokens, start_pos, **kw):
+        if kw.get("prefill"):
+            passes.append(len(tokens))
+        return forward(self, tokens, start_pos, **kw)
+
+    monkeypatch.setattr(qspec.batch.SeqBackend, "forward", spy)
+    monkeypatch.setattr(qspec.batch, "PREFILL_ROWS", 7)
+    eng.backend.kv.forget()
+    chunked = eng.generate(p, max_new_tokens=8)
+    n = chunked.stats["prompt_tokens"]
+    assert chunked.tokens == whole.tokens and n > 7
+    assert passes == [7] * (n // 7) + ([n % 7] if n % 7 else [])
+
+
 def test_shared_prefix_pages_are_adopted_by_reference(eng):
     system = "You are a careful assistant. " * 12
     ps = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
