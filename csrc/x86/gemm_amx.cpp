@@ -149,11 +149,11 @@ void verify_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t prefetch
   }
 }
 
-// Prefill (mpad > 64), blocked for the caches: chunks of kChunkRows rows (their x rows of one K
-// chunk stay in L2 while every row block of the piece passes), pieces of kSubBlocks row blocks
-// (their partial sums, chunk rows x 256 fp32, stay in L2 between K chunks), K chunks of kChunkK
-// (a pair of row blocks' B tiles, 32 KB, stay in L1 while the chunk's 32-row groups pass).
-// cbuf: kAmxPrefillScratch floats.
+// Prefill (mpad > 64), blocked for the caches: chunks of kChunkRows rows (their x of one K chunk,
+// at most 1 MB, stays in L2 while every row block of the piece passes), pieces of kSubBlocks row
+// blocks (their partial sums, chunk rows x 256 fp32, stay in L2 between K chunks), K chunks
+// balanced to at most kChunkK (a pair of row blocks' B tiles of a chunk, <= 128 KB, stay in L2
+// while the chunk's 32-row groups pass). cbuf: kAmxPrefillScratch floats.
 void prefill_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* cbuf) {
   for (int64_t m0 = 0; m0 < a.mpad; m0 += kChunkRows) {
     const int64_t mc = a.mpad - m0 < kChunkRows ? a.mpad - m0 : kChunkRows;  // a multiple of 16
