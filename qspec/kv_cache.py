@@ -132,6 +132,8 @@ class KVPool:
         grows by just what is missing when doubling does not fit in memory. KVExhausted past
         the budget; ContextMemoryError when even that does not fit."""
         need = self.pages + max(0, n - len(self._free) - len(self._idle))
+        if need == self.pages:
+            return  # the free and idle pages hold them
         if self.max_pages is not None and need > self.max_pages:
             raise KVExhausted(f"the KV cache's {self.max_pages} pages are all in use")
         target = max(need, 2 * self.pages, 16)

@@ -76,6 +76,23 @@ def test_cache_growth_checked_before_allocation(monkeypatch):
     assert kv.capacity == 96 and pool.pages == 6
 
 
+def test_cache_does_not_grow_while_free_pages_hold_the_rows():
+    """A reserved pool (ctx_size) or one with pages given back serves a long prompt from its
+    free pages: no growth, no copy of the cache (it doubled on every multi-page request)."""
+    cfg = synthetic_config("smollm2-135m", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32)
+    pool = KVPool(cfg)
+    pool.reserve(1024)
+    kv = KVCache(pool)
+    data = pool.data
+    kv.ensure_capacity(1000)
+    assert pool.pages == 64 and pool.data is data and kv.capacity == 1008
+    kv.release()
+    kv.ensure_capacity(900)
+    assert pool.pages == 64 and pool.data is data
+    kv.ensure_capacity(1100)  # past the pool: it grows (doubles)
+    assert pool.pages == 128 and kv.capacity == 1104
+
+
 def test_available_memory_is_known():
     assert available_bytes() > 0
 
