@@ -523,7 +523,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   int threads = pool.threads();
   if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
   threads = int(std::min<int64_t>(threads, nblk));
-  const int64_t scratch = std::max(m * detail::kAccCols, p == GemmPath::amx && !q4_tiles && a.mpad > 64 ? detail::kAmxPrefillScratch : 0);
+  const int64_t scratch = std::max(m * detail::kAccCols, a.xbf_tiles ? detail::kAmxPrefillScratch : 0);  // amx prefill
   thread_local std::vector<float> acc_buf;  // a slot each: any worker may join (kernels initialise it)
   fit(acc_buf, scratch * pool.threads());
   float* const acc = acc_buf.data();  // the caller's buffer (a worker's thread_local would be its own)
