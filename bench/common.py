@@ -379,6 +379,25 @@ def fmt_table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
 
 
+class TableStream:
+    """Rows printed as they come under one header: each column as wide as its name, at least
+    min_width or its entry in `widths` (fmt_table sizes columns to all rows, so it needs them
+    all first)."""
+
+    def __init__(self, cols: list[str], min_width: int = 8, widths: dict[str, int] | None = None):
+        self.cols = cols
+        self.widths = [max(len(c), (widths or {}).get(c, min_width)) for c in cols]
+        self.started = False
+
+    def line(self, row: dict) -> str:
+        """The row's line, after the header line the first time."""
+        cells = "  ".join(_fmt(row.get(c, "")).rjust(w) for c, w in zip(self.cols, self.widths))
+        if self.started:
+            return cells
+        self.started = True
+        return "  ".join(c.rjust(w) for c, w in zip(self.cols, self.widths)) + "\n" + cells
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"

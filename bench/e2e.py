@@ -43,7 +43,7 @@ import statistics
 import subprocess
 import sys
 
-from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup,
+from .common import (JsonWriter, TableStream, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup,
                      time_interleaved)
 from .models import (default_draft_name, load_engine, model_label, parse_chain_setting, parse_draft, step_costs,
                      synthetic_backend)
@@ -91,6 +91,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
     n_prompts = args.prompts or (4 if args.quick else 24)
     n_new = args.max_new or (64 if args.quick else 128)
     rows = []
+    table = TableStream(["draft", "draft_kv", "draft_window", "k", "draft_p_min", "tree", "temperature", "tokens_per_s",
+                         "speedup", "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup", "ceiling_speedup",
+                         "tree_rows", "tree_path", "tau_vs_chain"], widths={"draft": 24})
     for dspec in args.drafts:
         spec, levels = parse_chain_setting(dspec)
         eng = load_engine(args, spec, levels)
@@ -171,9 +174,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                            threads=args.threads)
                 rows.append(row)
                 out.write(row)
-                print(fmt_table([row], ["draft", "draft_kv", "draft_window", "k", "draft_p_min", "tree", "temperature", "tokens_per_s", "speedup",
-                                        "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup",
-                                        "ceiling_speedup", "tree_rows", "tree_path", "tau_vs_chain"]).splitlines()[-1]
+                print(table.line(row)
                       + "".join(f"  L{i}: acc {row[f'level{i}_acceptance_rate']:.2f} skip {row[f'level{i}_skip_rate']:.2f}"
                                 for i in range(2, len(eng.levels) + 1) if f"level{i}_skip_rate" in row),
                       flush=True)
