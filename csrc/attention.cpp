@@ -269,6 +269,14 @@ constexpr int64_t kAttnUnitPairs = 96;  // 16 rows of 6 heads per KV head measur
 // unit's K/V are shared by consecutive units in cache, which matters more.
 constexpr int64_t kAttnChunkUnitRows = 256;
 
+// Whether segment s holds a key some row of [r0, r1) attends: a row reaches it, and it is not
+// wholly below every row's window unless it holds sinks.
+bool segment_live(const AttnArgs& a, int64_t r0, int64_t r1, int64_t s) {
+  const int64_t S = kAttnSegKeys;
+  if (r0 == r1 || attn_max_keys(a, r0, r1) <= s * S) return false;
+  return attn_min_key_lo(a, r0, r1) < (s + 1) * S || s * S < a.sink_keys;
+}
+
 // Units of (KV head, row chunk) over all their segments (kAttnChunkUnitRows), the chunks with
 // the most segments first.
 void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
@@ -300,11 +308,8 @@ void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
       part.data = parts + slot * slot_floats;
       part.max_seg = seg_max;
       part.row0 = r0;
-      const int64_t n_keys = attn_max_keys(a, r0, r1);
-      for (int64_t s = 0; s * S < n_keys; ++s) {
-        if (attn_min_key_lo(a, r0, r1) >= (s + 1) * S && s * S >= a.sink_keys) continue;  // as run_grouped
-        fn(a, h, r0 * group, r1 * group, s, part);
-      }
+      for (int64_t s = 0; s < seg_max; ++s)
+        if (segment_live(a, r0, r1, s)) fn(a, h, r0 * group, r1 * group, s, part);
       for (int64_t row = r0; row < r1; ++row)
         if (attn_row_pos(a, row) >= S)
           for (int64_t head = h * group; head < (h + 1) * group; ++head)
@@ -340,9 +345,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   for (int64_t s = 0; s < max_seg; ++s)  // full segments first: the last ones are short
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = c * a.m / chunks, r1 = (c + 1) * a.m / chunks;
-      if (r0 == r1 || attn_max_keys(a, r0, r1) <= s * kAttnSegKeys) continue;  // no row reaches s
-      if (attn_min_key_lo(a, r0, r1) >= (s + 1) * kAttnSegKeys && s * kAttnSegKeys >= a.sink_keys)
-        continue;  // s is below every window and holds no sink
+      if (!segment_live(a, r0, r1, s)) continue;
       for (int64_t h = 0; h < kvh; ++h) units.push_back({h, r0, r1, s});
     }
   AttnPartials part;

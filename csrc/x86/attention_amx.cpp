@@ -34,14 +34,16 @@
 //
 // Checked against the float64 oracle, for batch invariance and tree == linear rows on a Sapphire
 // Rapids VM and under emulation (tests/test_isa_emulation.py). Speed there (`qspec bench
-// attention --paths avx512,amx --prefill`, 2 threads, Qwen2.5-Coder-1.5B's 12/2 heads of 128):
-// a whole 2,048-token prompt 0.70x the AVX-512 kernel's time (was 1.07x with scalar q parts and
-// score gathers), 8,192 tokens 0.77x; 16 rows at 2k-8k keys 0.65x; one row still 1.2-1.4x
-// (per-key work of a 6-pair tile). Tried before and measured no faster, so not kept: one BF16
-// part for q and the weights (a third of the TDPBF16PS), K read in place from the cache, all four
-// K chunks held in tiles, software prefetch, AVX-512 V staging. Left: the q rows of a unit are
-// loaded again for each of its segments (units run segment by segment), the K/V staging copies,
-// and the segment partials (m x heads x segments x (head_dim + 2) floats) written and merged.
+// attention --contexts 2048,8192 --ms 1,16 --prefill --paths avx512,amx`, 2 threads,
+// Qwen2.5-Coder-1.5B's 12/2 heads of 128, read bandwidth ~30 GB/s): a whole 2,048-token prompt
+// 0.57x the AVX-512 kernel's time (was 1.07x with scalar q parts and score gathers), 8,192 tokens
+// 0.58x; 16 rows at 2k-8k keys 0.58-0.65x; one row level (0.97-0.98x). Tried and measured no
+// faster, so not kept: one BF16 part for q and the weights (a third of the TDPBF16PS), K read in
+// place from the cache, all four K chunks held in tiles, software prefetch, AVX-512 V staging.
+// Tried and not kept for batch invariance: one C chain per element through a whole segment in
+// the V pass (~10% faster), since trailing zero-weight TDPBF16PS of a pair whose keys end early
+// could flush a denormal running sum depending on which pairs share its tile. Left: the K/V
+// staging copies and the 3-part split's tile work.
 #include <immintrin.h>
 
 #include <cmath>
