@@ -308,8 +308,12 @@ void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
       part.data = parts + slot * slot_floats;
       part.max_seg = seg_max;
       part.row0 = r0;
+      part.unit_continues = false;
       for (int64_t s = 0; s < seg_max; ++s)
-        if (segment_live(a, r0, r1, s)) fn(a, h, r0 * group, r1 * group, s, part);
+        if (segment_live(a, r0, r1, s)) {
+          fn(a, h, r0 * group, r1 * group, s, part);
+          part.unit_continues = true;
+        }
       for (int64_t row = r0; row < r1; ++row)
         if (attn_row_pos(a, row) >= S)
           for (int64_t head = h * group; head < (h + 1) * group; ++head)

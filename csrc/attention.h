@@ -241,6 +241,9 @@ struct AttnPartials {
   float* data = nullptr;
   int64_t max_seg = 0;
   int64_t row0 = 0;
+  // True when this thread's previous call was the same unit's previous segment (run_chunk_units):
+  // a kernel may keep per-unit work (the AMX kernel's q parts) in its thread scratch between them.
+  bool unit_continues = false;
   float* at(const AttnArgs& a, int64_t row, int64_t head, int64_t seg) const {
     return data + (((row - row0) * a.n_heads + head) * max_seg + seg) * (a.kv.head_dim + 2);
   }

@@ -82,16 +82,16 @@ inline void tile_store(void* p, int64_t stride) {
   if constexpr (T == 3) _tile_stored(3, p, stride);
 }
 
-// C += A · B (TDPBF16PS)
+// C += A · B (TDPBF16PS): C one of tiles 0-3, A and B two different tiles of 4-7.
 template <int C, int A, int B>
 inline void tile_dpbf16() {
-  static_assert(C >= 0 && C < 4 && (A == 4 || A == 5) && (B == 6 || B == 7), "tile roles");
+  static_assert(C >= 0 && C < 4 && A >= 4 && A < 8 && B >= 4 && B < 8 && A != B, "tile roles");
 #define QSPEC_TDP(c, a, b) \
   if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
-  QSPEC_TDP(0, 4, 6) QSPEC_TDP(0, 4, 7) QSPEC_TDP(0, 5, 6) QSPEC_TDP(0, 5, 7)
-  QSPEC_TDP(1, 4, 6) QSPEC_TDP(1, 4, 7) QSPEC_TDP(1, 5, 6) QSPEC_TDP(1, 5, 7)
-  QSPEC_TDP(2, 4, 6) QSPEC_TDP(2, 4, 7) QSPEC_TDP(2, 5, 6) QSPEC_TDP(2, 5, 7)
-  QSPEC_TDP(3, 4, 6) QSPEC_TDP(3, 4, 7) QSPEC_TDP(3, 5, 6) QSPEC_TDP(3, 5, 7)
+#define QSPEC_TDP_AB(a, b) QSPEC_TDP(0, a, b) QSPEC_TDP(1, a, b) QSPEC_TDP(2, a, b) QSPEC_TDP(3, a, b)
+  QSPEC_TDP_AB(4, 5) QSPEC_TDP_AB(4, 6) QSPEC_TDP_AB(4, 7) QSPEC_TDP_AB(5, 4) QSPEC_TDP_AB(5, 6) QSPEC_TDP_AB(5, 7)
+  QSPEC_TDP_AB(6, 4) QSPEC_TDP_AB(6, 5) QSPEC_TDP_AB(6, 7) QSPEC_TDP_AB(7, 4) QSPEC_TDP_AB(7, 5) QSPEC_TDP_AB(7, 6)
+#undef QSPEC_TDP_AB
 #undef QSPEC_TDP
 }
 

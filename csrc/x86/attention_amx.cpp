@@ -64,37 +64,22 @@ constexpr int64_t kTileElems = 512;  // BF16 elements of one 16 x 64-byte tile
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-inline uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return uint16_t(u >> 16);
-}
-inline float bf16_value(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-// x = p[0] + p[1] + p[2] exactly (truncation split).
-inline void split3(float x, uint16_t* p, int64_t part_stride) {
+// x = hi + mid + lo exactly (truncation split): each part is the top 16 bits of the remainder.
+// The split of x[0 .. e) (e <= 32; zeros from e): part p to dst[p · part_stride + 0 .. 32), a row
+// of that part's A tile. x is only read when e > 0.
+inline void split3x32(const float* x, int64_t e, uint16_t* dst, int64_t part_stride) {
+  alignas(64) static const uint16_t kHighWords[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                      23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                      45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i idx = _mm512_load_si512(kHighWords), top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __mmask16 m0 = e >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (e > 0 ? e : 0)) - 1u);
+  const __mmask16 m1 = e >= 32 ? __mmask16(0xFFFF) : e <= 16 ? __mmask16(0) : __mmask16((1u << (e - 16)) - 1u);
+  __m512 r0 = _mm512_maskz_loadu_ps(m0, x), r1 = _mm512_maskz_loadu_ps(m1, x + 16);
   for (int k = 0; k < kParts; ++k) {
-    const uint16_t h = bf16_bits(x);
-    p[k * part_stride] = h;
-    x -= bf16_value(h);
-  }
-}
-
-// split3 of 16 values: parts p of x[0..16) to dst[p · part_stride + 0..16).
-inline void split3x16(const float* x, uint16_t* dst, int64_t part_stride) {
-  const __m256i top = _mm256_set1_epi32(int(0xFFFF0000u));
-  __m256 r0 = _mm256_loadu_ps(x), r1 = _mm256_loadu_ps(x + 8);
-  for (int k = 0; k < kParts; ++k) {
-    const __m256i b0 = _mm256_and_si256(_mm256_castps_si256(r0), top);
-    const __m256i b1 = _mm256_and_si256(_mm256_castps_si256(r1), top);
-    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(b0, 16), _mm256_srli_epi32(b1, 16));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * part_stride), _mm256_permute4x64_epi64(packed, 0xD8));
-    r0 = _mm256_sub_ps(r0, _mm256_castsi256_ps(b0));
-    r1 = _mm256_sub_ps(r1, _mm256_castsi256_ps(b1));
+    const __m512i b0 = _mm512_castps_si512(r0), b1 = _mm512_castps_si512(r1);
+    _mm512_storeu_si512(dst + k * part_stride, _mm512_permutex2var_epi16(b0, idx, b1));  // the high halves
+    r0 = _mm512_sub_ps(r0, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
+    r1 = _mm512_sub_ps(r1, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
   }
 }
 
@@ -125,6 +110,14 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
+// n BF16 values (one head's K row; a library memcpy of a run-time size costs a call per key).
+inline void copy_bf16(uint16_t* dst, const uint16_t* src, int64_t n) {
+  for (int64_t c = 0; c < n; c += 32) {
+    const __mmask32 m = n - c >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (n - c)) - 1u);
+    _mm512_mask_storeu_epi16(dst + c, m, _mm512_maskz_loadu_epi16(m, src + c));
+  }
+}
+
 inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to [0, 16]
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
@@ -137,50 +130,67 @@ using detail::amx::unrolled;
 
 constexpr int64_t kStageKeys = 64;  // keys staged per score step: up to 4 key blocks in tiles at once
 
-// Scores Sᵀ of KB staged key blocks (16 keys each, from ks) x PB tile blocks of pairs (from
-// block b) into the C tiles 0 .. KB·PB-1, stored to ct (256 floats each, tile kb·PB + pb). A
-// (K chunk) of key block kb: tile 4 + kb % 2; B (q part) of pair block pb: 6 + pb; every C tile
-// takes its parts lo, mid, hi and chunks c in that order (the sums of one C tile never depend on
-// the other tiles in flight).
-template <int KB, int PB>
-void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b, int64_t nch, float* ct) {
-  static_assert(KB * PB <= 4 && PB <= 2 && KB <= 4, "4 C tiles, 2 B tiles");
-  unrolled<KB * PB>([](auto t) { tile_zero<decltype(t)::value>(); });
-  for (int p = kParts - 1; p >= 0; --p)  // lo, mid, hi: the small sums first
-    for (int64_t c = 0; c < nch; ++c)
-      unrolled<KB>([&](auto kb) {
-        constexpr int K = decltype(kb)::value;
-        tile_load<4 + K % 2>(ks + K * kTile * hdp + c * 32, hdp * 2);
-        unrolled<PB>([&](auto pb) {
-          constexpr int P = decltype(pb)::value;
-          if constexpr (K == 0) tile_load<6 + P>(qb + (((b + P) * nch + c) * kParts + p) * kTileElems, 64);
-          tile_dpbf16<K * PB + P, 4 + K % 2, 6 + P>();
-        });
-      });
-  unrolled<KB * PB>([&](auto t) {
+// Scores Sᵀ of KB staged key blocks (16 keys each, from ks) x one tile block b of pairs into the
+// C tiles 0 .. KB-1, stored to ct (256 floats each, tile kb). Per 32-column chunk c the q parts
+// lo, mid, hi of the block stay in B tiles 5-7 and each key block's K chunk (A, tile 4) is loaded
+// once for its three TDPBF16PS: every C tile sums chunk by chunk, each chunk's parts lo, mid, hi
+// (the small ones first). A C tile's sums never depend on the other tiles in flight.
+template <int KB, class Between>
+void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b, int64_t nch, float* ct,
+                 Between&& between) {
+  static_assert(KB >= 1 && KB <= 4, "4 C tiles");
+  unrolled<KB>([](auto t) { tile_zero<decltype(t)::value>(); });
+  for (int64_t c = 0; c < nch; ++c) {
+    const uint16_t* q = qb + (b * nch + c) * kParts * kTileElems;  // parts hi, mid, lo
+    tile_load<5>(q + 2 * kTileElems, 64);
+    tile_load<6>(q + kTileElems, 64);
+    tile_load<7>(q, 64);
+    unrolled<KB>([&](auto kb) {
+      constexpr int K = decltype(kb)::value;
+      tile_load<4>(ks + K * kTile * hdp + c * 32, hdp * 2);
+      tile_dpbf16<K, 4, 5>();
+      tile_dpbf16<K, 4, 6>();
+      tile_dpbf16<K, 4, 7>();
+    });
+    between(c + 1, nch);
+  }
+  unrolled<KB>([&](auto t) {
     constexpr int T = decltype(t)::value;
     tile_store<T>(ct + T * 256, 64);
   });
 }
 
-// out (NC tiles of 16 pairs x 16 columns, 256 floats each) = Σ_part w_part · V for the value
-// columns of B tiles vs[0 .. NC): C tiles 0 .. NC-1 from zero, parts lo, mid, hi in that order
-// per tile; A (the part) tile 4, B tiles 6 + c % 2.
+// V sums of NC column tiles (C tiles 0 .. NC-1, one chain each: chain_begin, chain_blocks ...,
+// chain_end). A block's weight parts lo, mid, hi stay in A tiles 4-6 (ws[part][16 pairs][width]
+// BF16, block jb at column 32 jb) and each column's B tile (7: vs + jb · vblock + c · 512) is
+// loaded once for its three TDPBF16PS (a tile load costs about what a TDPBF16PS does).
 template <int NC>
-void value_tiles(const uint16_t* ws, const uint16_t* vs, float* out) {
+void chain_begin() {
   static_assert(NC >= 1 && NC <= 4, "4 C tiles");
   unrolled<NC>([](auto t) { tile_zero<decltype(t)::value>(); });
-  for (int p = kParts - 1; p >= 0; --p) {  // lo, mid, hi
-    tile_load<4>(ws + p * kTileElems, 64);
+}
+template <int NC>
+void chain_blocks(const uint16_t* ws, int64_t width, int64_t nb, const uint16_t* vs, int64_t vblock) {
+  const int64_t part = kTile * width;
+  for (int64_t jb = 0; jb < nb; ++jb) {
+    const uint16_t* w = ws + jb * kVKeys;
+    tile_load<4>(w + 2 * part, width * 2);  // lo
+    tile_load<5>(w + part, width * 2);      // mid
+    tile_load<6>(w, width * 2);             // hi
     unrolled<NC>([&](auto c) {
       constexpr int C = decltype(c)::value;
-      tile_load<6 + C % 2>(vs + C * kTileElems, 64);
-      tile_dpbf16<C, 4, 6 + C % 2>();
+      tile_load<7>(vs + jb * vblock + C * kTileElems, 64);
+      tile_dpbf16<C, 4, 7>();
+      tile_dpbf16<C, 5, 7>();
+      tile_dpbf16<C, 6, 7>();
     });
   }
+}
+template <int NC>
+void chain_end(float* out, int64_t ld) {  // C tile c -> out[16 rows][c · 16 ..], rows ld floats apart
   unrolled<NC>([&](auto t) {
     constexpr int T = decltype(t)::value;
-    tile_store<T>(out + T * 256, 64);
+    tile_store<T>(out + T * 16, ld * 4);
   });
 }
 
@@ -200,25 +210,27 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t t0 = n_sh > kbeg ? n_sh : kbeg;
   const int64_t nblk = round_up(np, kTile) / kTile;  // tiles of 16 pairs
   const int64_t nch = hdp / 32;                      // 32-column chunks of K
-  const int64_t sc_stride = round_up(n_max, kVKeys) + 16;
+  // Scores are kept per segment: key j of a pair at scores[u * sc_stride + j - kbeg].
+  const int64_t sc_stride = kAttnSegKeys + 16;
 
-  // Scratch (64-byte aligned regions): scores | V sums [pairs][hdp] | max, Σ per pair | 4 C tiles |
-  // running max lanes [pairs][16] | q parts as B tiles [block][chunk][part] | staged K
-  // [kStageKeys][hdp] | staged V [hdp / 16 tiles] | weight parts [part][16 pairs][32 keys] |
-  // keys per pair (int32).
+  // Scratch (64-byte aligned regions): q parts as B tiles [block][chunk][part] | scores | V sums
+  // [pairs][hdp] | max, Σ per pair | 2 x 4 C tiles | running max lanes [pairs][16] | staged K
+  // [kStageKeys][hdp] | staged V [hdp / 16 tiles] | weight parts [part][16 pairs][32 keys] | keys
+  // per pair (int32). Every size depends on the unit's pairs only, not on the segment, so a unit
+  // that continues (part.unit_continues) finds its q parts where it left them.
   const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
                 f_vmax = round_up(np, 16) * 16;
-  const int64_t h_q = nblk * nch * kParts * kTileElems, h_k = kStageKeys * hdp, h_v = (hdp / 16) * kTileElems,
-                h_w = kParts * kTileElems;
-  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
-  float* scores = buf;
+  const int64_t h_q = nblk * nch * kParts * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
+                h_w = kParts * kTile * (kAttnSegKeys + kVKeys);
+  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 8 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
+  uint16_t* qb = reinterpret_cast<uint16_t*>(buf);
+  float* scores = buf + h_q / 2;  // h_q is a multiple of 512
   float* accs = scores + round_up(f_scores, 16);
   float* maxs = accs + f_accs;
   float* sums = maxs + f_max / 2;
   float* ctile = maxs + f_max;
-  float* vmax = ctile + 4 * 256;  // ctile: 4 C tiles
-  uint16_t* qb = reinterpret_cast<uint16_t*>(vmax + f_vmax);
-  uint16_t* kst = qb + h_q;
+  float* vmax = ctile + 8 * 256;  // ctile: 2 x 4 C tiles
+  uint16_t* kst = reinterpret_cast<uint16_t*>(vmax + f_vmax);
   uint16_t* vst = kst + h_k;
   uint16_t* wst = vst + h_v;
 
@@ -238,7 +250,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-  for (int64_t b = 0; b < nblk; ++b)
+  for (int64_t b = 0; b < nblk && !part.unit_continues; ++b)
     for (int64_t c = 0; c < nch; ++c) {
       __m512 x0[kTile], x1[kTile];  // each pair's dims 32c .. 32c + 15, + 16 .. 31 (remainders)
       for (int64_t pr = 0; pr < kTile; ++pr) {
@@ -267,7 +279,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       }
     }
   for (int64_t u = 0; u < round_up(np, kTile); ++u) _mm512_storeu_ps(vmax + u * 16, _mm512_set1_ps(-INFINITY));
-  std::memset(kst, 0, size_t(h_k) * 2);
+  if (hdp != hd) std::memset(kst, 0, size_t(h_k) * 2);  // columns hd .. hdp stay zero
 
   const __m512 vscale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(-INFINITY);
   // Scores of staged keys [j0, j0 + nk) (nk <= kStageKeys) for the pairs of tile blocks [b0, b1)
@@ -282,7 +294,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       if (!want(u)) continue;
       const __mmask16 live = first_lanes(n_of(u) - jb < nkb ? n_of(u) - jb : nkb);
       const __m512 sc = _mm512_mul_ps(r[pr], vscale);
-      _mm512_mask_storeu_ps(scores + u * sc_stride + jb, live, sc);
+      _mm512_mask_storeu_ps(scores + u * sc_stride + jb - kbeg, live, sc);
       // a NaN score is skipped (max_ps returns its second operand), as a scalar fold would
       const __m512 folded = _mm512_max_ps(_mm512_mask_blend_ps(live, neg_inf, sc), _mm512_loadu_ps(vmax + u * 16));
       _mm512_storeu_ps(vmax + u * 16, folded);
@@ -292,25 +304,37 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     const int64_t nkb = (nk + kTile - 1) / kTile;  // key blocks staged
     for (int64_t t = nk; t < nkb * kTile; ++t) std::memset(kst + t * hdp, 0, size_t(hd) * 2);
     auto keys_of = [&](int64_t kb) { return nk - kb * kTile < kTile ? nk - kb * kTile : kTile; };
-    int64_t b = b0;
-    for (; b + 1 < b1; b += 2)
-      for (int64_t kb = 0; kb < nkb; kb += 2) {
-        const int64_t two = kb + 1 < nkb;
-        if (two) score_tiles<2, 2>(kst + kb * kTile * hdp, hdp, qb, b, nch, ctile);
-        else score_tiles<1, 2>(kst + kb * kTile * hdp, hdp, qb, b, nch, ctile);
-        for (int64_t k = 0; k <= two; ++k)
-          for (int64_t pb = 0; pb < 2; ++pb)
-            extract(ctile + (k * 2 + pb) * 256, j0 + (kb + k) * kTile, keys_of(kb + k), b + pb, want);
+    // The previous group's score tiles are extracted between this group's TDPBF16PS steps (in
+    // the other half of ctile), so the vector work runs while the tile unit sums.
+    struct Job {
+      const float* ct;
+      int64_t jb, keys, b;
+    };
+    Job jobs[4];
+    int njobs = 0, half = 0;
+    auto drain = [&](int64_t step, int64_t steps) {
+      const int upto = int(step * 4 / steps);  // jobs due by this step: all of them at the last
+      for (; njobs > 0 && 4 - njobs < upto; --njobs) {
+        const Job& j = jobs[4 - njobs];
+        extract(j.ct, j.jb, j.keys, j.b, want);
       }
-    if (b < b1) {
+    };
+    auto queue = [&](int n, auto&& job_of) {  // the group just stored: its n tiles become the jobs
+      for (int t = 0; t < n; ++t) jobs[4 - n + t] = job_of(t);
+      njobs = n;
+      half ^= 1;
+    };
+    for (int64_t b = b0; b < b1; ++b) {
+      float* ct = ctile + half * 4 * 256;
       switch (nkb) {
-        case 4: score_tiles<4, 1>(kst, hdp, qb, b, nch, ctile); break;
-        case 3: score_tiles<3, 1>(kst, hdp, qb, b, nch, ctile); break;
-        case 2: score_tiles<2, 1>(kst, hdp, qb, b, nch, ctile); break;
-        default: score_tiles<1, 1>(kst, hdp, qb, b, nch, ctile);
+        case 4: score_tiles<4>(kst, hdp, qb, b, nch, ct, drain); break;
+        case 3: score_tiles<3>(kst, hdp, qb, b, nch, ct, drain); break;
+        case 2: score_tiles<2>(kst, hdp, qb, b, nch, ct, drain); break;
+        default: score_tiles<1>(kst, hdp, qb, b, nch, ct, drain);
       }
-      for (int64_t kb = 0; kb < nkb; ++kb) extract(ctile + kb * 256, j0 + kb * kTile, keys_of(kb), b, want);
+      queue(int(nkb), [&](int t) { return Job{ct + t * 256, j0 + t * kTile, keys_of(t), b}; });
     }
+    drain(1, 1);
   };
   auto all_pairs = [](int64_t) { return true; };
   // Each tree row's own keys [t0, n) in blocks of `step` from t0: fn(row, j0, keys, tile blocks
@@ -329,13 +353,13 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // Pass 1, shared keys.
   for (int64_t j0 = kbeg; j0 < n_sh; j0 += kStageKeys) {
     const int64_t nk = n_sh - j0 < kStageKeys ? n_sh - j0 : kStageKeys;
-    for (int64_t t = 0; t < nk; ++t) std::memcpy(kst + t * hdp, a.kv.k(a.layer, j0 + t) + kvh * hd, size_t(hd) * 2);
+    for (int64_t t = 0; t < nk; ++t) copy_bf16(kst + t * hdp, a.kv.k(a.layer, j0 + t) + kvh * hd, hd);
     score_keys(j0, nk, 0, nblk, all_pairs);
   }
   // Pass 1, each tree row's own keys.
   tree_blocks(kStageKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
     for (int64_t t = 0; t < nk; ++t)
-      std::memcpy(kst + t * hdp, a.kv.k(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd, size_t(hd) * 2);
+      copy_bf16(kst + t * hdp, a.kv.k(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd, hd);
     score_keys(j0, nk, b0, b1, mine);
   });
 
@@ -347,23 +371,32 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   }
   for (int64_t u = 0; u < np; ++u) {
     if (n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) continue;
-    float* sc = scores + u * sc_stride;
-    maxs[u] = attn_window_max(sc, kbeg, n_of(u), attn_key_lo(a, row_of(u)), maxs[u]);
-    sums[u] = avx512::exp_pass(sc + kbeg, n_of(u) - kbeg, maxs[u]);
+    float* sc = scores + u * sc_stride;  // key kbeg
+    maxs[u] = attn_window_max(sc, 0, n_of(u) - kbeg, attn_key_lo(a, row_of(u)) - kbeg, maxs[u]);
+    sums[u] = avx512::exp_pass(sc, n_of(u) - kbeg, maxs[u]);
   }
 
-  // Pass 3: V sums in tiles of 16 pairs x 16 columns, blocks of 32 keys from kbeg.
-  std::memset(accs, 0, size_t(f_accs) * 4);
-  // Stage keys [j0, j0 + nk) of V (row of key t at vrow(t)) as B tiles, one per 16 columns:
-  // vst[col / 16][r][col % 16][i] = V[key 2r + i][col]; keys nk.. and columns hd.. zero (the
-  // columns past hd are zeroed once: only whole 16- or 8-column pieces below hd are written).
-  std::memset(vst, 0, size_t(h_v) * 2);
-  auto stage_v = [&](int64_t nk, auto&& vrow) {
+  // Pass 3: V sums in tiles of 16 pairs x 16 columns, in blocks of 32 keys from kbeg. Each C tile
+  // sums one tile block's 16 columns through all of its blocks in key order (shared blocks, then a
+  // tree row's own), each block's parts lo, mid, hi: one TDPBF16PS chain per element. A pair with
+  // no key in a block (other pairs' keys run on, a window starts later, another tree row's own
+  // block) gets weight 0 there, and adding exact zero products leaves a C element as it is: TDPBF16PS
+  // flushes denormal results, so a C element is never denormal, and it is never -0. So a pair's
+  // sums are those of its own blocks, whatever pairs share its tile.
+  //
+  // V of the shared blocks is staged once as B tiles: vst[block][col / 16][r][col % 16][i] =
+  // V[key 2r + i][col]; keys past the end and columns hd.. zero (the columns past hd are zeroed
+  // once: only whole 16- or 8-column pieces below hd are written). A tree row's own block goes to
+  // the slot after them when it is used.
+  const int64_t ncol = hdp / 16, vblock = ncol * kTileElems;
+  const int64_t nsb = n_sh > kbeg ? (n_sh - kbeg + kVKeys - 1) / kVKeys : 0;  // shared blocks
+  if (hd % 16 != 0 || hdp != hd) std::memset(vst, 0, size_t(h_v) * 2);
+  auto stage_v = [&](uint16_t* vs, int64_t nk, auto&& vrow) {
     const int64_t hd16 = hd & ~int64_t(15);
     for (int64_t r = 0; r < kTile; ++r) {
       const uint16_t* v0 = 2 * r < nk ? vrow(2 * r) : nullptr;
       const uint16_t* v1 = 2 * r + 1 < nk ? vrow(2 * r + 1) : nullptr;
-      uint16_t* dst = vst + r * kTile * 2;
+      uint16_t* dst = vs + r * kTile * 2;
       for (int64_t d = 0; d < hd16; d += 16) {  // interleave two rows' 16 columns: 64 bytes
         const __m256i x0 = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)) : _mm256_setzero_si256();
         const __m256i x1 = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : _mm256_setzero_si256();
@@ -381,44 +414,52 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       }
     }
   };
-  // Weight parts of keys [j0, j0 + 32) for tile block b, pairs that `want` (others zero), then
-  // per 16 columns: C = Σ_part A_part · B from zero, added to the pairs' running sums.
-  auto value_block = [&](int64_t j0, int64_t b, auto&& want) {
-    std::memset(wst, 0, size_t(h_w) * 2);
-    for (int64_t pr = 0; pr < kTile && b * kTile + pr < np; ++pr) {
+  for (int64_t jb = 0; jb < nsb; ++jb) {
+    const int64_t j0 = kbeg + jb * kVKeys, nk = n_sh - j0 < kVKeys ? n_sh - j0 : kVKeys;
+    stage_v(vst + jb * vblock, nk, [&](int64_t t) { return a.kv.v(a.layer, j0 + t) + kvh * hd; });
+  }
+  uint16_t* const vown = vst + nsb * vblock;
+  // Weight parts of tile block b's pairs that `want`, keys [j0, j0 + 32 · nb) (others zero), as
+  // nb blocks side by side: ws[part][16 pairs][nb · 32 keys].
+  auto split_weights = [&](uint16_t* ws, int64_t j0, int64_t nb, int64_t b, auto&& want) {
+    const int64_t w = nb * kVKeys;
+    for (int64_t pr = 0; pr < kTile; ++pr) {
       const int64_t u = b * kTile + pr;
-      if (!want(u) || n_of(u) <= j0) continue;
-      const int64_t e = n_of(u) - j0 < kVKeys ? n_of(u) - j0 : kVKeys;
-      const float* w = scores + u * sc_stride + j0;
-      int64_t t = 0;
-      for (; t + 16 <= e; t += 16) split3x16(w + t, wst + pr * kVKeys + t, kTileElems);
-      for (; t < e; ++t) split3(w[t], wst + pr * kVKeys + t, kTileElems);
-    }
-    const int64_t ncol = hdp / 16;  // column tiles, up to 4 at once
-    for (int64_t c = 0; c < ncol; c += 4) {
-      switch (ncol - c < 4 ? ncol - c : 4) {
-        case 4: value_tiles<4>(wst, vst + c * kTileElems, ctile); break;
-        case 3: value_tiles<3>(wst, vst + c * kTileElems, ctile); break;
-        case 2: value_tiles<2>(wst, vst + c * kTileElems, ctile); break;
-        default: value_tiles<1>(wst, vst + c * kTileElems, ctile);
-      }
-      for (int64_t t = 0; t < 4 && c + t < ncol; ++t) {
-        float* cp = accs + b * kTile * hdp + (c + t) * 16;  // the block's sums join the running ones
-        const float* ct = ctile + t * 256;
-        for (int64_t r = 0; r < kTile; ++r)
-          _mm512_storeu_ps(cp + r * hdp, _mm512_add_ps(_mm512_loadu_ps(cp + r * hdp), _mm512_loadu_ps(ct + r * 16)));
+      const bool live = u < np && want(u);
+      for (int64_t jb = 0; jb < nb; ++jb) {
+        const int64_t j = j0 + jb * kVKeys, left = live ? n_of(u) - j : 0;
+        const int64_t e = left <= 0 ? 0 : left < kVKeys ? left : kVKeys;
+        split3x32(scores + u * sc_stride + j - kbeg, e, ws + pr * w + jb * kVKeys, kTile * w);
       }
     }
   };
-  for (int64_t j0 = kbeg; j0 < n_sh; j0 += kVKeys) {
-    const int64_t nk = n_sh - j0 < kVKeys ? n_sh - j0 : kVKeys;
-    stage_v(nk, [&](int64_t t) { return a.kv.v(a.layer, j0 + t) + kvh * hd; });
-    for (int64_t b = 0; b < nblk; ++b) value_block(j0, b, all_pairs);
+  // Tile block by tile block: the weight parts of its shared blocks, then per group of up to 4
+  // column tiles one chain through the shared blocks and, for tree rows, each row's own blocks.
+  uint16_t* const wown = wst + kParts * kTile * kAttnSegKeys;  // one own block: [part][16][32]
+  const int64_t ws_width = nsb * kVKeys;
+  auto chain = [&](auto nc_const, int64_t b, int64_t c) {
+    constexpr int NC = decltype(nc_const)::value;
+    chain_begin<NC>();
+    chain_blocks<NC>(wst, ws_width, nsb, vst + c * kTileElems, vblock);
+    tree_blocks(kVKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
+      if (b < b0 || b >= b1) return;
+      stage_v(vown, nk, [&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd; });
+      split_weights(wown, j0, 1, b, mine);
+      chain_blocks<NC>(wown, kVKeys, 1, vown + c * kTileElems, vblock);
+    });
+    chain_end<NC>(accs + b * kTile * hdp + c * 16, hdp);
+  };
+  for (int64_t b = 0; b < nblk; ++b) {
+    split_weights(wst, kbeg, nsb, b, all_pairs);
+    for (int64_t c = 0; c < ncol; c += 4) {
+      switch (ncol - c < 4 ? ncol - c : 4) {
+        case 4: chain(std::integral_constant<int, 4>(), b, c); break;
+        case 3: chain(std::integral_constant<int, 3>(), b, c); break;
+        case 2: chain(std::integral_constant<int, 2>(), b, c); break;
+        default: chain(std::integral_constant<int, 1>(), b, c);
+      }
+    }
   }
-  tree_blocks(kVKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
-    stage_v(nk, [&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd; });
-    for (int64_t b = b0; b < b1; ++b) value_block(j0, b, mine);
-  });
   _tile_release();
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).
