@@ -8,42 +8,48 @@
 // exact and only the FP32 sums round, as on the FMA paths: nothing is rounded to BF16 that the
 // FMA paths keep in FP32 (AMX flushes BF16 denormals: parts below 2^-126 are lost).
 //
-//   scores  Sᵀ[key][pair] = Σ_part Σ_c K[key][32c ..] · q_part[pair][32c ..]: A = 16 keys × 32
+//   scores  Sᵀ[key][pair] = Σ_c Σ_part K[key][32c ..] · q_part[pair][32c ..]: A = 16 keys × 32
 //           columns of K (staged BF16 rows), B = the pairs' q parts (VNNI pairs of columns),
-//           C = 16 keys × 16 pairs; parts lo, mid, hi (the small sums first, so the rounding is
-//           that of the hi sum: close to the FMA paths'), chunks c of 32 columns in order.
-//           A score depends on its q and its key's row only (never on which keys or pairs share
-//           a tile), so key blocks may start anywhere.
-//   values  out[pair][col] += Σ_part w_part[pair][32 keys] · V[32 keys][col]: A = 16 pairs × a
-//           32-key block of the weights' parts, B = the block's V rows as VNNI key pairs,
-//           C = 16 pairs × 16 columns from zero per block (parts lo, mid, hi), then added to the
-//           FP32 running sums; blocks of 32 keys counted from key 0 in key order. Keys a pair does not attend carry weight 0
-//           (an exact zero product), so a pair's sums depend on its own weights only.
+//           C = 16 keys × 16 pairs; chunks c of 32 columns in order, each chunk's parts lo, mid,
+//           hi (the small ones first). A score depends on its q and its key's row only (never on
+//           which keys or pairs share a tile), so key blocks may start anywhere.
+//   values  out[pair][col] = Σ_blocks Σ_part w_part[pair][32 keys] · V[32 keys][col]: A = 16 pairs
+//           × a 32-key block of the weights' parts, B = the block's V rows as VNNI key pairs,
+//           C = 16 pairs × 16 columns, ONE chain per element through the segment: blocks of 32
+//           keys counted from key 0 in key order, each block's parts lo, mid, hi. Keys a pair
+//           does not attend carry weight 0 (exact zero products), and adding zero products leaves
+//           a C element as it is: TDPBF16PS flushes denormal results (inputs too), so a C element
+//           is never denormal and never -0 (checked on the hardware: a -2^-140 product gives +0).
+//           So a pair's sums are those of its own blocks, whatever pairs share its tile and
+//           however far their keys run.
 // Each C row reads only its own A row (the SDM's TDPBF16PS), so a pair's bits do not depend on
 // m, the other pairs of its tile, the thread count or how the driver grouped pairs: the batch
 // invariance of attention.h holds, and the choice of this path depends on the ISA level only
 // (attn_choose). Tree rows: the keys every row shares (the prefix rounded down to 32) are
 // streamed for all pairs; each row's remaining logical keys are gathered from their slots into
-// the same 32-key blocks from key 0, so a tree row's arithmetic is a linear row's at its position.
+// the same 32-key blocks from key 0 and continue its chain, so a tree row's arithmetic is a
+// linear row's at its position.
 //
-// Vector work around the tiles: each pair's q parts are built 16 pairs at a time and put into
-// the B layout by a 16 x 16 dword transpose; a score tile is transposed back so each pair's 16
-// scores are one vector (scale, masked store, running max in 16 lanes). Up to 4 C tiles are in
-// flight (score_tiles: 2 key blocks x 2 pair blocks or 4 key blocks x 1; value_tiles: 4 column
-// tiles). None of this changes a bit: every C element sees the same TDPBF16PS sequence.
+// Tiles and the vector work around them. A tile load costs about what a TDPBF16PS does (more
+// from L2), so operands are reused across the three parts: scores hold a chunk's three q parts
+// in B tiles 5-7 while each of up to 4 key blocks' K chunk (A, tile 4) feeds its C tile three
+// TDPBF16PS; values hold a block's three weight parts in A tiles 4-6 while each of 4 column
+// tiles' V (B, tile 7) feeds three. Per unit (driver's run_chunk_units) the q parts are built
+// once for all its segments (16 pairs at a time, a 16 x 16 dword transpose into the B layout);
+// scores and weights are kept per segment; a score tile is transposed back so each pair's 16
+// scores are one vector (scale, masked store, running max in 16 lanes); the weights are split
+// 32 keys per vector step. A block's weight parts for the whole segment are split before its
+// chains, and V of the segment's blocks is staged once for all tile blocks.
 //
 // Checked against the float64 oracle, for batch invariance and tree == linear rows on a Sapphire
 // Rapids VM and under emulation (tests/test_isa_emulation.py). Speed there (`qspec bench
 // attention --contexts 2048,8192 --ms 1,16 --prefill --paths avx512,amx`, 2 threads,
-// Qwen2.5-Coder-1.5B's 12/2 heads of 128, read bandwidth ~30 GB/s): a whole 2,048-token prompt
-// 0.57x the AVX-512 kernel's time (was 1.07x with scalar q parts and score gathers), 8,192 tokens
-// 0.58x; 16 rows at 2k-8k keys 0.58-0.65x; one row level (0.97-0.98x). Tried and measured no
-// faster, so not kept: one BF16 part for q and the weights (a third of the TDPBF16PS), K read in
-// place from the cache, all four K chunks held in tiles, software prefetch, AVX-512 V staging.
-// Tried and not kept for batch invariance: one C chain per element through a whole segment in
-// the V pass (~10% faster), since trailing zero-weight TDPBF16PS of a pair whose keys end early
-// could flush a denormal running sum depending on which pairs share its tile. Left: the K/V
-// staging copies and the 3-part split's tile work.
+// Qwen2.5-Coder-1.5B's 12/2 heads of 128, read bandwidth ~30 GB/s): see the README's long-prompt
+// section for the current figures. Tried and measured no faster, so not kept: one BF16 part for q
+// and the weights (when the vector work bound the kernel, before the reuse above), K read in
+// place from the cache, software prefetch of K, extracting one group's score tiles while the next
+// group's TDPBF16PS run (2 x 4 C tile buffers), larger units (192-384 pairs). Left: the K/V
+// staging copies, the exp pass, the partials of 256-key segments and their merge.
 #include <immintrin.h>
 
 #include <cmath>
@@ -135,9 +141,8 @@ constexpr int64_t kStageKeys = 64;  // keys staged per score step: up to 4 key b
 // lo, mid, hi of the block stay in B tiles 5-7 and each key block's K chunk (A, tile 4) is loaded
 // once for its three TDPBF16PS: every C tile sums chunk by chunk, each chunk's parts lo, mid, hi
 // (the small ones first). A C tile's sums never depend on the other tiles in flight.
-template <int KB, class Between>
-void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b, int64_t nch, float* ct,
-                 Between&& between) {
+template <int KB>
+void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b, int64_t nch, float* ct) {
   static_assert(KB >= 1 && KB <= 4, "4 C tiles");
   unrolled<KB>([](auto t) { tile_zero<decltype(t)::value>(); });
   for (int64_t c = 0; c < nch; ++c) {
@@ -152,7 +157,6 @@ void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b,
       tile_dpbf16<K, 4, 6>();
       tile_dpbf16<K, 4, 7>();
     });
-    between(c + 1, nch);
   }
   unrolled<KB>([&](auto t) {
     constexpr int T = decltype(t)::value;
@@ -214,7 +218,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t sc_stride = kAttnSegKeys + 16;
 
   // Scratch (64-byte aligned regions): q parts as B tiles [block][chunk][part] | scores | V sums
-  // [pairs][hdp] | max, Σ per pair | 2 x 4 C tiles | running max lanes [pairs][16] | staged K
+  // [pairs][hdp] | max, Σ per pair | 4 C tiles | running max lanes [pairs][16] | staged K
   // [kStageKeys][hdp] | staged V [hdp / 16 tiles] | weight parts [part][16 pairs][32 keys] | keys
   // per pair (int32). Every size depends on the unit's pairs only, not on the segment, so a unit
   // that continues (part.unit_continues) finds its q parts where it left them.
@@ -222,14 +226,14 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
                 f_vmax = round_up(np, 16) * 16;
   const int64_t h_q = nblk * nch * kParts * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
                 h_w = kParts * kTile * (kAttnSegKeys + kVKeys);
-  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 8 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
+  float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
   uint16_t* qb = reinterpret_cast<uint16_t*>(buf);
   float* scores = buf + h_q / 2;  // h_q is a multiple of 512
   float* accs = scores + round_up(f_scores, 16);
   float* maxs = accs + f_accs;
   float* sums = maxs + f_max / 2;
   float* ctile = maxs + f_max;
-  float* vmax = ctile + 8 * 256;  // ctile: 2 x 4 C tiles
+  float* vmax = ctile + 4 * 256;  // ctile: 4 C tiles
   uint16_t* kst = reinterpret_cast<uint16_t*>(vmax + f_vmax);
   uint16_t* vst = kst + h_k;
   uint16_t* wst = vst + h_v;
@@ -304,37 +308,15 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     const int64_t nkb = (nk + kTile - 1) / kTile;  // key blocks staged
     for (int64_t t = nk; t < nkb * kTile; ++t) std::memset(kst + t * hdp, 0, size_t(hd) * 2);
     auto keys_of = [&](int64_t kb) { return nk - kb * kTile < kTile ? nk - kb * kTile : kTile; };
-    // The previous group's score tiles are extracted between this group's TDPBF16PS steps (in
-    // the other half of ctile), so the vector work runs while the tile unit sums.
-    struct Job {
-      const float* ct;
-      int64_t jb, keys, b;
-    };
-    Job jobs[4];
-    int njobs = 0, half = 0;
-    auto drain = [&](int64_t step, int64_t steps) {
-      const int upto = int(step * 4 / steps);  // jobs due by this step: all of them at the last
-      for (; njobs > 0 && 4 - njobs < upto; --njobs) {
-        const Job& j = jobs[4 - njobs];
-        extract(j.ct, j.jb, j.keys, j.b, want);
-      }
-    };
-    auto queue = [&](int n, auto&& job_of) {  // the group just stored: its n tiles become the jobs
-      for (int t = 0; t < n; ++t) jobs[4 - n + t] = job_of(t);
-      njobs = n;
-      half ^= 1;
-    };
     for (int64_t b = b0; b < b1; ++b) {
-      float* ct = ctile + half * 4 * 256;
       switch (nkb) {
-        case 4: score_tiles<4>(kst, hdp, qb, b, nch, ct, drain); break;
-        case 3: score_tiles<3>(kst, hdp, qb, b, nch, ct, drain); break;
-        case 2: score_tiles<2>(kst, hdp, qb, b, nch, ct, drain); break;
-        default: score_tiles<1>(kst, hdp, qb, b, nch, ct, drain);
+        case 4: score_tiles<4>(kst, hdp, qb, b, nch, ctile); break;
+        case 3: score_tiles<3>(kst, hdp, qb, b, nch, ctile); break;
+        case 2: score_tiles<2>(kst, hdp, qb, b, nch, ctile); break;
+        default: score_tiles<1>(kst, hdp, qb, b, nch, ctile);
       }
-      queue(int(nkb), [&](int t) { return Job{ct + t * 256, j0 + t * kTile, keys_of(t), b}; });
+      for (int64_t kb = 0; kb < nkb; ++kb) extract(ctile + kb * 256, j0 + kb * kTile, keys_of(kb), b, want);
     }
-    drain(1, 1);
   };
   auto all_pairs = [](int64_t) { return true; };
   // Each tree row's own keys [t0, n) in blocks of `step` from t0: fn(row, j0, keys, tile blocks
