@@ -387,9 +387,13 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   }
   // Two jobs: every unit is done before any pair is merged. Idle counts every configured
   // thread (one that never joined was idle the whole job).
+  // A thread takes all KV heads of a (segment, chunk) at once when there are enough of those to
+  // go round: the heads' K/V rows share cache lines (a cache row holds every head of a position),
+  // and two threads reading halves of the same lines fetch each of them twice.
+  const int64_t grain = nu / kvh >= 2 * nt ? kvh : 1;
   const auto t_region = ProfClock::now();
   std::atomic<int64_t> busy_ns{0};
-  parallel_for(nu, 1, [&](int, int64_t w0, int64_t w1) {
+  parallel_for(nu, grain, [&](int, int64_t w0, int64_t w1) {
     const auto t_work = ProfClock::now();
     for (int64_t w = w0; w < w1; ++w) run_unit(w);
     busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
