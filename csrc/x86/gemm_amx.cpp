@@ -101,7 +101,7 @@ void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
     if (prefetch > 0)
       for (int j = 0; j < NBB; ++j)
         for (int64_t line = 0; line < kTileBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(bk + j * bstride + prefetch + line), _MM_HINT_T0);
+          _mm_prefetch(stream_ahead(wb + j * bstride, k * 32, prefetch + line, bstride, NBB * bstride), _MM_HINT_T0);
     unrolled<MT>([&](auto i) {
       constexpr int I = decltype(i)::value;
       tile_load<4 + I % 2>(xa + I * 16 * xstride + k * akstep, astride);

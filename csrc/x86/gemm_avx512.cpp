@@ -42,7 +42,7 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
   for (int64_t k = k0; k < k1; k += 2) {
     __m512 e[NB], o[NB];
     for (int j = 0; j < NB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchK) * 16), _MM_HINT_T0);
+      _mm_prefetch(stream_ahead(w[j], k * 32, kPrefetchK * 32, a.kp * 32, NB * a.kp * 32), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(w[j] + k * 16);
       e[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       o[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
@@ -73,7 +73,7 @@ void dpbf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t 
   for (int64_t k = k0; k < k1; k += 2) {
     __m512i v[NB];
     for (int j = 0; j < NB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchK) * 16), _MM_HINT_T0);
+      _mm_prefetch(stream_ahead(w[j], k * 32, kPrefetchK * 32, a.kp * 32, NB * a.kp * 32), _MM_HINT_T0);
       v[j] = _mm512_loadu_si512(w[j] + k * 16);
     }
     for (int i = 0; i < MB; ++i) {
@@ -113,7 +113,8 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
         const int64_t slab = b * 8 + half * 4 + g;
         __m512i wv[NB];
         for (int j = 0; j < NB; ++j) {
-          if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (slab + 2 * kPrefetchK) * 32), _MM_HINT_T0);
+          if (g % 2 == 0)
+            _mm_prefetch(stream_ahead(w[j], slab * 32, 2 * kPrefetchK * 32, (a.kp / 4) * 32, NB * (a.kp / 4) * 32), _MM_HINT_T0);
           wv[j] = avx512::q4_slab(w[j] + slab * 32, lut);
         }
         for (int i = 0; i < MB; ++i) {

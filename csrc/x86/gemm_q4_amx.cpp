@@ -134,7 +134,8 @@ inline void decode_tile(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_
       continue;
     }
     const uint8_t* w = a.data + (nb * (a.kp / 4) + b * 8) * 32;
-    const char* pf = reinterpret_cast<const char*>(w + 2048);
+    const int64_t block_bytes = (a.kp / 4) * 32;  // the next pair of row blocks follows this one's
+    const char* pf = stream_ahead(a.data + nb * block_bytes, b * 256, 2048, block_bytes, 2 * block_bytes);
     _mm_prefetch(pf, _MM_HINT_T0);
     _mm_prefetch(pf + 64, _MM_HINT_T0);
     _mm_prefetch(pf + 128, _MM_HINT_T0);
@@ -199,8 +200,9 @@ void q4_vnni(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_t m0) {
   const int64_t kb = a.kp / kKBlk;
   alignas(16) uint8_t smax[NB][16];
   column_maxima(a, nb, NB, smax);
+  const int64_t block_bytes = (a.kp / 4) * 32;
   const uint8_t* w[NB];
-  for (int j = 0; j < NB; ++j) w[j] = a.data + (nb + j) * (a.kp / 4) * 32;
+  for (int j = 0; j < NB; ++j) w[j] = a.data + (nb + j) * block_bytes;
   const int8_t* xh[MB];
   const int8_t* xl[MB];
   for (int i = 0; i < MB; ++i) {
@@ -217,7 +219,7 @@ void q4_vnni(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_t m0) {
       const int64_t slab = b * 8 + g;
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) {
-        if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + slab * 32 + 2048), _MM_HINT_T0);
+        if (g % 2 == 0) _mm_prefetch(stream_ahead(w[j], slab * 32, 2048, block_bytes, NB * block_bytes), _MM_HINT_T0);
         wv[j] = decode_slab(dc, w[j] + slab * 32, bits[j], dc.utab_lo, dc.utab_hi);
       }
       for (int i = 0; i < MB; ++i) {

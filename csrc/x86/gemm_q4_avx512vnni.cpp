@@ -39,6 +39,7 @@ void q4_vnni_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
   const int64_t kb = a.kp / kKBlk;
   if (init)
     for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, NB * 16 * 4);
+  const int64_t block_bytes = (a.kp / 4) * 32;
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
@@ -56,7 +57,7 @@ void q4_vnni_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
       const int64_t slab = b * 8 + g;
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) {
-        if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + (slab + kPrefetchSlabs) * 32), _MM_HINT_T0);
+        if (g % 2 == 0) _mm_prefetch(stream_ahead(w[j], slab * 32, kPrefetchSlabs * 32, block_bytes, NB * block_bytes), _MM_HINT_T0);
         wv[j] = avx512::q4_slab(w[j] + slab * 32, lut);
       }
       for (int i = 0; i < MB; ++i) {
