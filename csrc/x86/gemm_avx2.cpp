@@ -84,7 +84,7 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
   for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.ldx;
   const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
   for (int64_t k = k0; k < k1; k += 2) {
-    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + k * 16) + a.prefetch, _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j) _mm_prefetch(stream_ahead(w[j], k * 32, a.prefetch, a.kp * 32, NB * a.kp * 32), _MM_HINT_T0);
     // One 8-row half at a time keeps few temporaries live (GCC otherwise spills accumulators).
     for (int j = 0; j < NB; ++j)
       for (int h = 0; h < 2; ++h) {
