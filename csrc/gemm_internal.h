@@ -60,8 +60,10 @@ struct GemmArgs {
 // block_bytes long): inside the block, or past its end the same distance into the block
 // group_bytes further on — the same stream of the next group of row blocks, which a thread reads
 // next (its row blocks are consecutive). Prefetching only inside the block left every group's
-// streams but one to start cold: 7-16% of an MXFP4 pass over the 1.5B's gate|up shape at 1-4
-// rows (K = 1,536: 12 KB blocks, groups of 2-4), measured in one process against the old rule.
+// streams but one to start cold. Sapphire Rapids VM, MXFP4 VNNI pass over the 1.5B's gate|up
+// shape (K = 1,536: 12 KB blocks, groups of 2-4) at 1-4 rows: 12% faster with the weights in
+// the (VM's 480 MB) last-level cache, level when they stream from DRAM (`qspec bench kernels
+// --shapes 17920x1536`, alternating builds), where the hardware prefetchers keep up.
 inline const char* stream_ahead(const void* block, int64_t off, int64_t ahead, int64_t block_bytes,
                                 int64_t group_bytes) {
   const int64_t t = off + ahead;
