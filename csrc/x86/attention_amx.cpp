@@ -217,9 +217,10 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // Scores are kept per segment: key j of a pair at scores[u * sc_stride + j - kbeg].
   const int64_t sc_stride = kAttnSegKeys + 16;
 
-  // Scratch (64-byte aligned regions): q parts as B tiles [block][chunk][part] | scores | V sums
-  // [pairs][hdp] | max, Σ per pair | 4 C tiles | running max lanes [pairs][16] | staged K
-  // [kStageKeys][hdp] | staged V [hdp / 16 tiles] | weight parts [part][16 pairs][32 keys] | keys
+  // Scratch (64-byte aligned regions): q parts as B tiles [block][chunk][part] | scores [pairs]
+  // [segment keys] | V sums [pairs][hdp] | max, Σ per pair | 4 C tiles | running max lanes
+  // [pairs][16] | staged K [kStageKeys][hdp] | staged V [segment blocks + 1][hdp / 16 tiles] |
+  // weight parts [part][16 pairs][segment keys] + one tree block [part][16 pairs][32 keys] | keys
   // per pair (int32). Every size depends on the unit's pairs only, not on the segment, so a unit
   // that continues (part.unit_continues) finds its q parts where it left them.
   const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
