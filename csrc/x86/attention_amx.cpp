@@ -48,7 +48,9 @@
 // section for the current figures. Tried and measured no faster, so not kept: one BF16 part for q
 // and the weights (when the vector work bound the kernel, before the reuse above), K read in
 // place from the cache, software prefetch of K, extracting one group's score tiles while the next
-// group's TDPBF16PS run (2 x 4 C tile buffers), larger units (192-384 pairs). Left: the K/V
+// group's TDPBF16PS run (2 x 4 C tile buffers), larger units (192-384 pairs), scores as pairs x
+// keys (q parts as A rows, K transposed into B tiles when staged, no score transposes; the same
+// bits: level at 2k, 4% slower at 8k, 15% slower for one decode row). Left: the K/V
 // staging copies, the exp pass, the partials of 256-key segments and their merge.
 #include <immintrin.h>
 
