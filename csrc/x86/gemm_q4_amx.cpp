@@ -133,8 +133,9 @@ inline void decode_tile(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_
       std::memset(o, 0, 8 * 64);
       continue;
     }
-    const uint8_t* w = a.data + (nb * (a.kp / 4) + b * 8) * 32;
-    const int64_t block_bytes = (a.kp / 4) * 32;  // the next pair of row blocks follows this one's
+    const int64_t block_bytes = (a.kp / 4) * 32;
+    const uint8_t* w = a.data + nb * block_bytes + b * 256;
+    // q4_rows takes row blocks in pairs: past this block's end, block nb + 2 is streamed next
     const char* pf = stream_ahead(a.data + nb * block_bytes, b * 256, 2048, block_bytes, 2 * block_bytes);
     _mm_prefetch(pf, _MM_HINT_T0);
     _mm_prefetch(pf + 64, _MM_HINT_T0);

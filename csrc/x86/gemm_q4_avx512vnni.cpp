@@ -43,7 +43,7 @@ void q4_vnni_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
   const uint8_t* w[NB];
   const uint8_t* s[NB];
   for (int j = 0; j < NB; ++j) {
-    w[j] = a.data + (nb + j) * (a.kp / 4) * 32;
+    w[j] = a.data + (nb + j) * block_bytes;
     s[j] = a.scales + (nb + j) * kb * kRows;
   }
   const int8_t* q[MB];
