@@ -47,10 +47,14 @@
 // Qwen2.5-Coder-1.5B's 12/2 heads of 128, read bandwidth ~30 GB/s): see the README's long-prompt
 // section for the current figures. Tried and measured no faster, so not kept: one BF16 part for q
 // and the weights (when the vector work bound the kernel, before the reuse above), K read in
-// place from the cache, software prefetch of K, extracting one group's score tiles while the next
+// place from the cache, prefetching the next work unit's K/V during this unit's tile and vector work (4-15% slower
+// for decode rows), extracting one group's score tiles while the next
 // group's TDPBF16PS run (2 x 4 C tile buffers), larger units (192-384 pairs), scores as pairs x
 // keys (q parts as A rows, K transposed into B tiles when staged, no score transposes; the same
-// bits: level at 2k, 4% slower at 8k, 15% slower for one decode row). Left: the K/V
+// bits: level at 2k, 4% slower at 8k, 15% slower for one decode row). Decode and verify
+// rows wait on the cache rows their staging copies read (perf: ~75% of one row's kernel at 8k
+// keys): K rows are prefetched 16 keys ahead of the copy and V rows one 32-key block ahead
+// (one row at 8,192 keys 5-8% faster, 9 rows 3-11%; a whole prompt level). Left: the K/V
 // staging copies, the exp pass, the partials of 256-key segments and their merge.
 #include <immintrin.h>
 
@@ -125,6 +129,13 @@ inline void copy_bf16(uint16_t* dst, const uint16_t* src, int64_t n) {
     _mm512_mask_storeu_epi16(dst + c, m, _mm512_maskz_loadu_epi16(m, src + c));
   }
 }
+
+// One head's row of hd BF16 values into L1 ahead of its staging copy: the staging loops are
+// latency-bound on the cache rows (a head's row is every kv_heads-th run of a position's row).
+inline void prefetch_row(const uint16_t* row, int64_t hd) {
+  for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+constexpr int64_t kPrefetchKeys = 16;  // K rows prefetched this many keys ahead of the copy
 
 inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to [0, 16]
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
@@ -338,7 +349,10 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // Pass 1, shared keys.
   for (int64_t j0 = kbeg; j0 < n_sh; j0 += kStageKeys) {
     const int64_t nk = n_sh - j0 < kStageKeys ? n_sh - j0 : kStageKeys;
-    for (int64_t t = 0; t < nk; ++t) copy_bf16(kst + t * hdp, a.kv.k(a.layer, j0 + t) + kvh * hd, hd);
+    for (int64_t t = 0; t < nk; ++t) {
+      if (j0 + t + kPrefetchKeys < n_sh) prefetch_row(a.kv.k(a.layer, j0 + t + kPrefetchKeys) + kvh * hd, hd);
+      copy_bf16(kst + t * hdp, a.kv.k(a.layer, j0 + t) + kvh * hd, hd);
+    }
     score_keys(j0, nk, 0, nblk, all_pairs);
   }
   // Pass 1, each tree row's own keys.
@@ -401,6 +415,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   };
   for (int64_t jb = 0; jb < nsb; ++jb) {
     const int64_t j0 = kbeg + jb * kVKeys, nk = n_sh - j0 < kVKeys ? n_sh - j0 : kVKeys;
+    for (int64_t t = j0 + kVKeys; t < j0 + 2 * kVKeys && t < n_sh; ++t) prefetch_row(a.kv.v(a.layer, t) + kvh * hd, hd);
     stage_v(vst + jb * vblock, nk, [&](int64_t t) { return a.kv.v(a.layer, j0 + t) + kvh * hd; });
   }
   uint16_t* const vown = vst + nsb * vblock;
