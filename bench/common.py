@@ -5,6 +5,9 @@ that run a model add `model_parser()`: --model NAME|DIR, --prompt-file), calls `
 `print_header(args)`, times with `time_fn` / `time_interleaved` (or, against the memory
 bandwidth, `FloorMeter`: probe, work, probe, work, ...), and writes one JSON line per case with
 `JsonWriter` (header context is added to every line).
+
+A/B of two builds of the extension, in any bench: QSPEC_BENCH_SO=/path/to/_C.cpython-*.so loads
+that file in place of qspec._C (run the two builds as alternating processes, compare medians).
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from qspec import _C
+if os.environ.get("QSPEC_BENCH_SO"):  # before anything imports qspec._C
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("qspec._C", os.environ["QSPEC_BENCH_SO"])
+    _mod = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+    sys.modules["qspec._C"] = _mod
+
+from qspec import _C  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEV_PROMPTS = HERE / "prompts" / "dev.jsonl"  # the dev prompt set, shipped with the benchmarks

@@ -16,24 +16,14 @@ Each line names the GEMM path it timed; `*` marks the path the dispatcher takes 
 format, the dispatcher's path(s) over M <= 64 (one path: batch invariance) and v(M) = M / M=1 time.
 
 `--shapes 1536x576,4096x4096` benchmarks just those N x K shapes (model "custom");
-`--no-torch` skips the torch baseline. A/B against a saved build of the extension: set
-QSPEC_BENCH_SO=/path/to/_C.cpython-*.so (loaded in place of qspec._C; run the two builds as
-alternating processes and compare medians).
+`--no-torch` skips the torch baseline. A/B against a saved build of the extension:
+QSPEC_BENCH_SO (bench/common.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import statistics
-import sys
-
-if os.environ.get("QSPEC_BENCH_SO"):  # A/B: another build of the extension (before bench.common)
-    _spec = importlib.util.spec_from_file_location("qspec._C", os.environ["QSPEC_BENCH_SO"])
-    _mod = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
-    sys.modules["qspec._C"] = _mod
 
 import numpy as np
 import torch
