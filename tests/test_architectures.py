@@ -30,9 +30,11 @@ VOCAB = 256
 # these random models (weights ~0.15, so every layer amplifies) carry to <= 1.3% of max |logit|
 # (measured: qwen3 0.6%, smollm3 1.1%, gemma3 0.6%, phi3 1.3%). Breaking one family piece in the
 # native model (window off by one key, no window, RoPE on a NoPE layer, the global base on a local
-# layer) moves the logits by 27% to 140% of it.
+# layer) moves the logits by 27% to 140% of it. The reference backend's bound has headroom above
+# its usual ~1e-5: one CI-like run out of a dozen measured 3.1e-4 on qwen3 (pure torch FP32 on both
+# sides, not reproduced since); a broken piece moves it by orders of magnitude more.
 LOGITS_RTOL = 0.03
-LOGITS_RTOL_TORCH = 1e-4
+LOGITS_RTOL_TORCH = 1e-3
 
 FAMILIES = {
     "qwen3": dict(head_dim=32, use_sliding_window=True, sliding_window=24, max_window_layers=1,
