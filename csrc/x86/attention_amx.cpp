@@ -47,8 +47,8 @@
 // Qwen2.5-Coder-1.5B's 12/2 heads of 128, read bandwidth ~30 GB/s): see the README's long-prompt
 // section for the current figures. Tried and measured no faster, so not kept: one BF16 part for q
 // and the weights (when the vector work bound the kernel, before the reuse above), K read in
-// place from the cache, prefetching the next work unit's K/V during this unit's tile and vector work (4-15% slower
-// for decode rows), extracting one group's score tiles while the next
+// place from the cache, prefetching the next work unit's K/V during this unit's tile and vector
+// work (4-15% slower for decode rows), extracting one group's score tiles while the next
 // group's TDPBF16PS run (2 x 4 C tile buffers), larger units (192-384 pairs), scores as pairs x
 // keys (q parts as A rows, K transposed into B tiles when staged, no score transposes; the same
 // bits: level at 2k, 4% slower at 8k, 15% slower for one decode row). Decode and verify
@@ -130,8 +130,8 @@ inline void copy_bf16(uint16_t* dst, const uint16_t* src, int64_t n) {
   }
 }
 
-// One head's row of hd BF16 values into L1 ahead of its staging copy: the staging loops are
-// latency-bound on the cache rows (a head's row is every kv_heads-th run of a position's row).
+// One KV head's part of a cache row (hd BF16 values) into L1 ahead of its staging copy: the
+// staging loops of decode and verify rows are latency-bound on the cache.
 inline void prefetch_row(const uint16_t* row, int64_t hd) {
   for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
