@@ -111,7 +111,10 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
         modes = list(dict.fromkeys((t, m, 0 if m == "bf16" else w)
                                    for m in args.draft_kv for w in windows for t in args.temps))
         for temp, draft_kv, window in modes:
-            eng.backend.draft_kv = draft_kv
+            if draft_kv != eng.backend.draft_kv:  # the pool's draft copy is made at load: a new engine
+                del eng
+                eng = load_engine(args, spec, levels, draft_kv)
+                eng.generate(prompts[0], max_new_tokens=16)  # warm-up
             eng.backend.draft_window = window
             cr = cost_ratios(eng.backend, fixed, args.context or 128, 5 if args.quick else 11)
             settings = [(k, pm, "off") for k, pm in args.ks]

@@ -13,11 +13,11 @@ from qspec.synthetic import synthetic_config, synthetic_weights
 
 
 
-def load_engine(args, draft: DraftSpec | str | None, levels: tuple[str, ...] = ()):
-    """`qspec.load` of --model with --threads (and draft levels above `draft`); a user error
-    (unknown name, bad folder, bad chain) is one line."""
+def load_engine(args, draft: DraftSpec | str | None, levels: tuple[str, ...] = (), draft_kv: str = "auto"):
+    """`qspec.load` of --model with --threads (and draft levels above `draft`, its draft KV mode);
+    a user error (unknown name, bad folder, bad chain) is one line."""
     try:
-        return qspec.load(args.model, draft=draft, threads=args.threads, draft_levels=levels)
+        return qspec.load(args.model, draft=draft, threads=args.threads, draft_levels=levels, draft_kv=draft_kv)
     except (qspec.QspecError, ValueError) as e:
         raise SystemExit(f"bench: error: {e}") from None
 

@@ -265,9 +265,10 @@ class NativeBackend:
         self.cfg = cfg
         self.shard = shard = shard or Shard.plan(cfg)
         local = shard.local_config(cfg)
-        self.draft_kv = draft_kv
         # this rank's KV heads: the pool of every sequence, and the one direct forward() calls use
         self.pool = KVPool(local, draft_copy=draft_copy_format(cfg, draft_kv, draft))
+        self.draft = draft
+        self.draft_kv = draft_kv
         self.kv = KVCache(self.pool)
         self.load_info: dict = {}
         if target_packed is None:
@@ -275,7 +276,6 @@ class NativeBackend:
         # the model borrows it: a mapping of the checkpoint, or a private copy (the checkpoint
         # mapping of `weights` closes after load)
         self._embed = embed if embed is not None else bf16_numpy(weights.embed.clone())
-        self.draft = draft
         self.target_bytes = self.draft_bytes = 0
         try:
             self.model = _C.Model(
@@ -315,6 +315,21 @@ class NativeBackend:
         self._rope_positions = 0
         self._logits = np.empty((0, shard.vocab_rows), dtype=np.float32)
         self.draft_window = draft_window
+
+    @property
+    def draft_kv(self) -> str:
+        """What the MX draft passes attend over (DRAFT_KV_MODES). The pool's draft copy is made at
+        load, so a later change may only pick "bf16" (the drafts read the BF16 rows) or a mode
+        whose copy the pool keeps."""
+        return self._draft_kv
+
+    @draft_kv.setter
+    def draft_kv(self, mode: str) -> None:
+        copy = draft_copy_format(self.cfg, mode, self.draft)  # ValueError for an unknown mode
+        if copy is not None and copy != self.pool.draft_copy:
+            raise ValueError(f"draft_kv {mode!r} needs the {copy} draft copy of the KV cache, and this engine keeps "
+                             f"{self.pool.draft_copy or 'none'}: pass draft_kv to qspec.load")
+        self._draft_kv = mode
 
     @property
     def draft_window(self) -> int:
@@ -410,6 +425,6 @@ class NativeBackend:
 
     def reads_draft_copy(self, draft: bool | int, start_pos: int) -> bool:
         """Whether a pass of weight set `draft` from `start_pos` attends over the draft copy."""
-        if not draft or self.pool.q8 is None:
+        if not draft or self.pool.q8 is None or self.draft_kv == "bf16":
             return False
         return self.draft_kv != "auto" or start_pos >= DRAFT_KV_AUTO_MIN

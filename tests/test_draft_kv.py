@@ -295,6 +295,22 @@ def test_auto_reads_the_copy_from_the_threshold(model_dir):
     assert not be.reads_draft_copy(False, 10 * DRAFT_KV_AUTO_MIN)  # never the target
 
 
+def test_draft_kv_changed_after_load(model_dir):
+    # the copy is made at load: a later mode is "bf16" (the BF16 rows, not the copy) or one the pool
+    # keeps; another copy format is refused (a benchmark that switched modes on one engine read the
+    # load's copy in every mode)
+    be = qspec.load(model_dir, draft="mxfp4").backend  # draft_kv="auto": the MXFP4 copy
+    be.draft_kv = "bf16"
+    assert not be.reads_draft_copy(True, 10**6)
+    with pytest.raises(ValueError, match="int8"):
+        be.draft_kv = "int8"
+    assert be.draft_kv == "bf16"
+    be.draft_kv = "mxfp4"
+    assert be.reads_draft_copy(True, 0)
+    with pytest.raises(ValueError):
+        be.draft_kv = "int4"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_draft_window_changes_the_drafts_only(model_dir, fmt):
     from qspec.native import DRAFT_SINKS
