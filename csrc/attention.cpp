@@ -74,7 +74,8 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
 
-// As attn_row_head_ref over the draft copy (INT8 or MXFP4): the same sequence over the dequantized values.
+// As attn_row_head_ref over the draft copy (kv_q8.h; INT4 V rows are in the rotated basis, so the
+// output is rotated back): the same sequence over the dequantized values.
 void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   const int64_t hd = head_dim_of(a);
   const int64_t kvh = h / (a.n_heads / a.kv.kv_heads);
@@ -85,8 +86,10 @@ void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores
     const int64_t slot = attn_key_slot(a, i, j);
     const int64_t c = kvh * hd + d;
     const int8_t* row = a.kv.q8_row(a.layer, kv_index, slot);
-    const float v = a.kv.q_bits == 4 ? kv_fp4_value(uint8_t(row[c / 2]) >> (4 * (c & 1)) & 15) : float(row[c]);
-    return v * kv_q8_scale(a.kv.q8_scales(a.layer, kv_index, slot)[c / kQ8Block]);
+    const uint8_t e = a.kv.q8_scales(a.layer, kv_index, slot)[c / kQ8Block];
+    if (kv_index == 1 && a.kv.v_bits == 4)
+      return float(kv_q4_value(uint8_t(row[c / 2]) >> (4 * (c & 1)) & 15)) * kv_q4_scale(e);
+    return float(row[c]) * kv_q8_scale(e);
   };
   // keys [0, gap) and [lo, p]: the sinks and the window (all of 0..p without a window)
   const int64_t gap = attn_gap_lo(a, i), lo = attn_key_lo(a, i);
@@ -108,6 +111,7 @@ void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores
   for (int64_t j = first; j <= p; j = next(j))
     for (int64_t d = 0; d < hd; ++d) out[d] += scores[j] * value(1, j, d);
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
+  if (a.kv.v_bits == 4) kv_unrotate(out, hd, kv_rot_size(hd));
 }
 
 AttnTreePaths::AttnTreePaths(int64_t prefix, const int64_t* parents, int64_t n_parents,
@@ -166,7 +170,7 @@ const char* attn_path_name(AttnPath p) {
 }
 
 bool attn_supports(AttnPath p, const AttnArgs& a) {
-  if (a.draft_q8 && (!a.kv.q8 || !a.kv.q8_scale || a.kv.head_dim % kQ8Block != 0)) return false;
+  if (a.draft_q8 && (!a.kv.q8k || !a.kv.q8v || !a.kv.q8_scale || a.kv.head_dim % kQ8Block != 0)) return false;
   if (a.sink_keys < 0 || a.sink_keys > kAttnSegKeys || (a.sink_keys > 0 && !a.draft_q8)) return false;
   switch (p) {
     case AttnPath::ref: return true;
@@ -478,7 +482,7 @@ namespace {
 py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
                                 std::optional<float> scale, std::optional<std::string> path,
                                 std::optional<std::pair<int64_t, py::object>> tree, int64_t window,
-                                std::optional<std::pair<py::array, py::array>> q8,
+                                std::optional<py::tuple> q8,
                                 std::optional<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> pages,
                                 int64_t page_size, int64_t sinks) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
@@ -533,21 +537,8 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
     paths.emplace(tree->first, par.data(), par.shape(0), start_pos, a.m);
     a.tree = &paths->view;
   }
-  if (q8) {  // attend over the INT8 draft copy instead of the BF16 rows
-    const py::array &qv = q8->first, &qs = q8->second;
-    if (qv.dtype().kind() != 'i' || qv.itemsize() != 1 || qs.dtype().kind() != 'u' || qs.itemsize() != 1 ||
-        !(qv.flags() & py::array::c_style) || !(qs.flags() & py::array::c_style) || qv.ndim() != 5 ||
-        qs.ndim() != 5 || a.kv.head_dim % kQ8Block != 0)
-      throw std::invalid_argument("attention: q8 must be (int8 [layers, 2, max_seq, kv_heads, head_dim or "
-                                  "head_dim / 2], uint8 [.., head_dim / 32]) with head_dim a multiple of 32");
-    for (int d = 0; d < 4; ++d)
-      if (qv.shape(d) != kv_in.shape(d) || qs.shape(d) != kv_in.shape(d))
-        throw std::invalid_argument("attention: q8 arrays must match the cache's shape");
-    if ((qv.shape(4) != a.kv.head_dim && qv.shape(4) != a.kv.head_dim / 2) || qs.shape(4) != a.kv.head_dim / kQ8Block)
-      throw std::invalid_argument("attention: q8 arrays must match the cache's shape");
-    a.kv.q_bits = qv.shape(4) == a.kv.head_dim ? 8 : 4;  // int8 values or packed MXFP4 codes
-    a.kv.q8 = static_cast<int8_t*>(const_cast<void*>(qv.data()));
-    a.kv.q8_scale = static_cast<uint8_t*>(const_cast<void*>(qs.data()));
+  if (q8) {  // attend over the draft copy instead of the BF16 rows
+    kv_set_copy(a.kv, *q8, "attention: q8");
     a.draft_q8 = true;
   }
   if (sinks < 0 || sinks > kAttnSegKeys || (sinks > 0 && !a.draft_q8))
@@ -582,8 +573,8 @@ void bind_attention(py::module_& m) {
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
         "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree); window > 0: sliding "
-        "window, a row at position p attends keys p - window + 1 .. p; q8 = (int8 values, "
-        "E8M0 scales) of the INT8 draft copy (kv_q8_quantize): attend over it instead of kv's BF16 rows; "
+        "window, a row at position p attends keys p - window + 1 .. p; q8 = (K values, "
+        "V values, scales) of a draft copy (qspec/kv_cache.py): attend over it instead of kv's BF16 rows; "
         "pages (int32) with page_size: a paged cache, position p in pool row pages[p / page_size] * "
         "page_size + p % page_size; sinks (with q8 and a window): keys 0 .. sinks - 1 are attended too");
   m.def("attn_paths", [] {

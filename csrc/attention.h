@@ -21,14 +21,15 @@ struct KvCacheView {
   uint16_t* data = nullptr;
   // layers, pool rows per layer and K/V (max_seq), kv_heads, head_dim
   int64_t layers = 0, max_seq = 0, kv_heads = 0, head_dim = 0;
-  // The draft copy (csrc/kv_q8.h), or null: the same rows as int8 values (q_bits 8) or packed
-  // MXFP4 codes (q_bits 4), [layers][2][max_seq][kv_heads][head_dim · q_bits / 8] bytes, and one
-  // E8M0 scale per kQ8Block values [layers][2][max_seq][kv_heads][head_dim / kQ8Block]. Every
-  // forward that writes a BF16 row also writes its copy; only MX draft passes read it
-  // (AttnArgs::draft_q8).
-  int8_t* q8 = nullptr;
+  // The draft copy (csrc/kv_q8.h), or null: K rows as int8 values [layers][max_seq][kv_heads]
+  // [head_dim] (q8k), V rows as int8 values (v_bits 8) or packed INT4 ones in the rotated basis
+  // (v_bits 4) [layers][max_seq][kv_heads][head_dim · v_bits / 8] bytes (q8v), and one scale byte
+  // per kQ8Block values [layers][2][max_seq][kv_heads][head_dim / kQ8Block]. Every forward that
+  // writes a BF16 row also writes its copy; only MX draft passes read it (AttnArgs::draft_q8).
+  int8_t* q8k = nullptr;
+  int8_t* q8v = nullptr;
   uint8_t* q8_scale = nullptr;
-  int q_bits = 8;
+  int v_bits = 8;
   // Paged cache (qspec/kv_cache.py): the pool's rows are pages of page_size rows (a multiple of
   // 8), and the sequence's position p sits in pool row pages[p / page_size] · page_size +
   // p % page_size. Null: position p is pool row p (one contiguous sequence). Every accessor
@@ -50,10 +51,12 @@ struct KvCacheView {
   uint16_t* v(int64_t layer, int64_t pos) const {
     return data + ((layer * 2 + 1) * max_seq + slot(pos)) * row_elems();
   }
-  // kv_index 0 = K, 1 = V; the row's first byte (q_bits 4: value 2i in the low nibble of byte i)
+  // kv_index 0 = K, 1 = V; the row's first byte (V with v_bits 4: value 2i in the low nibble of byte i)
   int8_t* q8_row(int64_t layer, int kv_index, int64_t pos) const {
-    return q8 + ((layer * 2 + kv_index) * max_seq + slot(pos)) * row_elems() * q_bits / 8;
+    const int64_t r = layer * max_seq + slot(pos);
+    return kv_index ? q8v + r * row_elems() * v_bits / 8 : q8k + r * row_elems();
   }
+  int64_t q8_head_bytes(int kv_index) const { return kv_index ? head_dim * v_bits / 8 : head_dim; }
   uint8_t* q8_scales(int64_t layer, int kv_index, int64_t pos) const {
     return q8_scale + ((layer * 2 + kv_index) * max_seq + slot(pos)) * (row_elems() / kQ8Block);
   }
@@ -97,7 +100,7 @@ struct AttnArgs {
   int64_t sink_keys = 0;
   KvCacheView kv;
   const AttnTree* tree = nullptr;  // null: linear rows (row i at position start_pos + i)
-  // Read K/V from the INT8 draft copy (kv.q8, head_dim a multiple of kQ8Block) instead of BF16:
+  // Read K/V from the draft copy (kv.q8k / q8v, head_dim a multiple of kQ8Block) instead of BF16:
   // the MX draft passes. The same rules hold (causal, segments, batch invariance, tree rows ==
   // linear rows); the values are the dequantized copy, exact in FP32.
   bool draft_q8 = false;
@@ -258,7 +261,7 @@ void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t 
 // QKᵀ and PV on AMX-BF16 tiles (csrc/x86/attention_amx.cpp); the draft copy keeps the AVX-512 kernels.
 void attn_group_amx(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
                     const AttnPartials& part);
-// The same over the INT8 draft copy (a.draft_q8; csrc/x86/attention_q8_impl.h).
+// The same over the draft copy (a.draft_q8; csrc/x86/attention_q8_impl.h).
 void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 void attn_group_q8_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
                         const AttnPartials& part);

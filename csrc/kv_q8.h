@@ -1,17 +1,28 @@
 // The draft copy of the KV cache (docs/architecture.md, "The KV cache"): every BF16 K/V row is
-// also stored in a compact form with one E8M0 (power-of-two) scale per kQ8Block values, written in
-// the same pass as the BF16 row and derived from the BF16 bits only, so the copy of a row is a
-// function of that row (prefix reuse, verify overwrites and tree moves keep it consistent). The
-// MX draft passes attend over it. Two forms (KvCacheView::q_bits):
+// also stored in a compact form with one scale byte per kQ8Block values, written in the same pass
+// as the BF16 row and derived from the BF16 bits only, so the copy of a row is a function of that
+// row (prefix reuse, verify overwrites and tree moves keep it consistent). The MX draft passes
+// attend over it. K rows are always INT8; V rows INT8 or INT4 (KvCacheView::v_bits): 4-bit K
+// rows cost the drafts most of their acceptance (README, "Long prompts"), 4-bit V rows nothing
+// measurable.
 //
 // INT8 (8 bits): 1 + 1/32 bytes per value instead of 2. Quantization of a block x[0..32): s = the
 // smallest integer with max|x| <= 127 · 2^s (clamped to [-126, 127]); q = round-half-even(x / 2^s),
 // clamped to [-127, 127]; scale byte = s + 127. Every x / 2^s is exact, so is the rounding;
 // dequantization q · 2^s is exact in FP32.
 //
-// MXFP4 (4 bits): 1/2 + 1/32 bytes per value (26.6% of BF16). The OCP MX direct cast of the block
-// (csrc/mx.h, the drafts' weight cast): E2M1 codes two a byte (element 2i in the low nibble of byte
-// i, 2i + 1 in the high one) and the E8M0 scale; dequantization is exact in FP32.
+// INT4 (4 bits): 1/2 + 1/32 bytes per value, in a rotated basis. Each head's row of head_dim
+// values is cut into blocks of P = the largest power of two dividing head_dim, and each block x
+// becomes H·D·x: D a fixed ±1 diagonal (kv_rot_flip), H the unnormalized P×P Walsh-Hadamard
+// matrix (H·H = P·I), as a fast transform whose butterflies run in a fixed order (kv_rotate), so
+// a block's values come out near-Gaussian and a 4-bit grid fits them. Quantization of a block
+// y[0..32) of the rotated values: the scale is the smallest UE5M3 value s (one byte e: 3 mantissa
+// bits m = e & 7, exponent field e >> 3, s = (1 + m/8) · 2^((e >> 3) - 16); e = 0 is 0, the
+// block's values all 0; e = 0xFF is NaN, a block with a non-finite value, as the BF16 rows it
+// copies hold NaN or Inf) with 7·s >= max|y|, clamped to [kv_q4_scale(1), kv_q4_scale(0xFE)];
+// q = round-half-even(y / s) clamped to [-7, 7], two's complement nibbles two a byte (element 2i
+// in the low nibble of byte i). Attention never rotates V back per key: Σ w_j·v'_j =
+// H·D·(Σ w_j·v_j), undone once per output row (kv_unrotate).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -23,18 +34,55 @@ constexpr int64_t kQ8Block = 32;
 // n BF16 values (n a multiple of kQ8Block) -> n int8 values and n / kQ8Block scale bytes.
 void kv_q8_quantize(const uint16_t* bf16, int64_t n, int8_t* q, uint8_t* scale);
 
-// n BF16 values (n a multiple of kQ8Block) -> n / 2 bytes of packed E2M1 codes and n / kQ8Block
-// E8M0 scale bytes (the MX direct cast of each block).
-void kv_fp4_quantize(const uint16_t* bf16, int64_t n, uint8_t* packed, uint8_t* scale);
+// n BF16 values (n a multiple of head_dim, head_dim of kQ8Block) -> n / 2 bytes of packed INT4
+// values in the rotated basis and n / kQ8Block UE5M3 scale bytes.
+void kv_q4_quantize(const uint16_t* bf16, int64_t n, int64_t head_dim, uint8_t* packed, uint8_t* scale);
 
-// The value of an E2M1 code (bit 3 the sign), before the scale.
-inline float kv_fp4_value(uint8_t code) {
-  static constexpr float kMag[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-  return code & 8 ? -kMag[code & 7] : kMag[code & 7];
+// The rotation's block size for a head_dim (a multiple of kQ8Block): its largest power-of-two divisor.
+inline int64_t kv_rot_size(int64_t head_dim) { return head_dim & -head_dim; }
+
+// D's entry i: -1 where the top bit of i · 0x9E3779B9 (mod 2^32) is set, else +1.
+inline bool kv_rot_flip(int64_t i) { return (uint32_t(i) * 0x9E3779B9u) >> 31; }
+
+// The fast Walsh-Hadamard transform of each block of p values of x[0..n), in place: stages
+// h = 1, 2, 4, .. p / 2, each pair (j, j + h) -> (x_j + x_{j+h}, x_j - x_{j+h}) in index order.
+inline void kv_fwht(float* x, int64_t n, int64_t p) {
+  for (int64_t b = 0; b < n; b += p)
+    for (int64_t h = 1; h < p; h *= 2)
+      for (int64_t i = b; i < b + p; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float u = x[j], v = x[j + h];
+          x[j] = u + v;
+          x[j + h] = u - v;
+        }
 }
 
-// 2^(e - 127) for a scale byte e in [1, 254]; 0 gives 0 (an MX block flushed to zero) and 0xFF
-// infinity (the MX NaN scale: its values become NaN, as the BF16 rows they copy hold NaN or Inf).
+// x <- H·D·x per block of p (the copy's basis); x <- D·H·x / p undoes it.
+inline void kv_rotate(float* x, int64_t n, int64_t p) {
+  for (int64_t i = 0; i < n; ++i)
+    if (kv_rot_flip(i % p)) x[i] = -x[i];
+  kv_fwht(x, n, p);
+}
+inline void kv_unrotate(float* x, int64_t n, int64_t p) {
+  kv_fwht(x, n, p);
+  const float inv = 1.f / float(p);  // exact: p a power of two
+  for (int64_t i = 0; i < n; ++i) x[i] = (kv_rot_flip(i % p) ? -x[i] : x[i]) * inv;
+}
+
+// The UE5M3 scale of an INT4 block's byte (see above).
+inline float kv_q4_scale(uint8_t e) {
+  if (e == 0) return 0.f;
+  if (e == 0xFF) return __builtin_nanf("");
+  const uint32_t u = (uint32_t(e >> 3) + 111) << 23 | uint32_t(e & 7) << 20;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The INT4 value of nibble c (two's complement).
+inline int kv_q4_value(uint8_t c) { return (c & 7) - (c & 8); }
+
+// 2^(e - 127): the INT8 copy's scale of byte e (in [1, 254]).
 inline float kv_q8_scale(uint8_t e) {
   const uint32_t u = uint32_t(e) << 23;
   float f;

@@ -110,7 +110,7 @@ void rope(float* x, int64_t heads, int64_t hd, int64_t rd, const float* cos, con
 // One sequence's part of a batched forward: m rows at positions start_pos.. (or, with a tree,
 // draft-tree nodes at slots start_pos..: RoPE at prefix + depth, attention over prefix and path;
 // attention.h), writing and reading the cache through kv (its page table); logits of every row
-// or of the last; draft_q8: its attention reads the INT8 draft copy (kv.q8).
+// or of the last; draft_q8: its attention reads the draft copy (kv.q8k, q8v).
 struct SeqPass {
   int64_t m = 0, start_pos = 0;
   KvCacheView kv;
@@ -360,11 +360,11 @@ class Model {
           kd[i] = f32_to_bf16(row[q_n + i]);
           vd[i] = f32_to_bf16(row[q_n + kv_n + i]);
         }
-        if (kv.q8) {  // the draft copy of the rows just written
+        if (kv.q8k) {  // the draft copy of the rows just written
           for (int kv_index = 0; kv_index < 2; ++kv_index) {
             const uint16_t* src = kv_index ? vd : kd;
-            if (kv.q_bits == 4)
-              kv_fp4_quantize(src, kv_n, reinterpret_cast<uint8_t*>(kv.q8_row(l, kv_index, pos)),
+            if (kv_index == 1 && kv.v_bits == 4)
+              kv_q4_quantize(src, kv_n, hd_, reinterpret_cast<uint8_t*>(kv.q8_row(l, kv_index, pos)),
                               kv.q8_scales(l, kv_index, pos));
             else
               kv_q8_quantize(src, kv_n, kv.q8_row(l, kv_index, pos), kv.q8_scales(l, kv_index, pos));
@@ -553,7 +553,7 @@ void bind_model(py::module_& m) {
           "forward",
           [](Model& self, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, py::list seqs,
              py::array_t<uint16_t, py::array::c_style> kv, int set, py::array_t<float, py::array::c_style> out,
-             std::optional<std::pair<py::array_t<int8_t, py::array::c_style>, py::array_t<uint8_t, py::array::c_style>>> kv_q8,
+             std::optional<py::tuple> kv_q8,
              int64_t page_size) {
             Model::check_set(set);
             if (!self.has_set(set)) throw std::invalid_argument("weight set is not fully loaded");
@@ -566,19 +566,7 @@ void bind_model(py::module_& m) {
             pool.max_seq = kv.shape(2);
             pool.kv_heads = kv.shape(3);
             pool.head_dim = kv.shape(4);
-            if (kv_q8) {  // the draft copy: [layers, 2, pool rows, kv_heads, head_dim (int8) | head_dim / 2
-                          // (MXFP4 bytes) | head_dim / 32 (scales)]
-              auto& [qv, qs] = *kv_q8;
-              bool ok = qv.ndim() == 5 && qs.ndim() == 5 && self.head_dim() % kQ8Block == 0 &&
-                        (qv.shape(4) == kv.shape(4) || qv.shape(4) == kv.shape(4) / 2) &&
-                        qs.shape(4) == kv.shape(4) / kQ8Block;
-              for (int d = 0; ok && d < 4; ++d) ok = qv.shape(d) == kv.shape(d) && qs.shape(d) == kv.shape(d);
-              if (!ok) throw std::invalid_argument("kv_q8 must be (int8 [layers, 2, pool rows, kv_heads, head_dim or "
-                                                   "head_dim / 2], uint8 [.., head_dim / 32]) matching kv");
-              pool.q8 = qv.mutable_data();
-              pool.q8_scale = qs.mutable_data();
-              pool.q_bits = qv.shape(4) == kv.shape(4) ? 8 : 4;
-            }
+            if (kv_q8) kv_set_copy(pool, *kv_q8, "kv_q8");  // the draft copy
             if (seqs.empty()) throw std::invalid_argument("forward needs at least one sequence");
             // per sequence: (m, start_pos, pages or None, all_logits, tree or None, draft_q8)
             std::vector<SeqPass> passes(seqs.size());
@@ -604,7 +592,7 @@ void bind_model(py::module_& m) {
               } else if (p.start_pos + p.m > pool.max_seq) {
                 throw std::invalid_argument("positions exceed the KV cache capacity");
               }
-              if (p.draft_q8 && !pool.q8) throw std::invalid_argument("draft_q8 needs kv_q8");
+              if (p.draft_q8 && !pool.q8k) throw std::invalid_argument("draft_q8 needs kv_q8");
               if (!t[4].is_none()) {
                 auto tr = t[4].cast<std::pair<int64_t, py::object>>();
                 auto par = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tr.second);
@@ -631,7 +619,7 @@ void bind_model(py::module_& m) {
           "seqs: per sequence (m, start_pos, pages, all_logits, tree, draft_q8) with pages an int32 page "
           "table of the pool kv (page_size rows a page; None: positions are pool rows), tree = (prefix, "
           "parents): its rows are draft-tree nodes at slots start_pos.. (attention.h), draft_q8: its "
-          "attention reads the INT8 draft copy kv_q8 = (values, scales), which is written with every row. "
+          "attention reads the draft copy kv_q8 = (K values, V values, scales), written with every row. "
           "out: the logits, per sequence m rows (all_logits) or its last, in order");
   m.def("silu_mul", [](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
                        const std::string& path) {

@@ -6,7 +6,7 @@ float32 for the torch reference), and a sequence's position p lives in pool row
 pages[p // PAGE_SIZE] · PAGE_SIZE + p % PAGE_SIZE (csrc/attention.h, KvCacheView). Target and MX
 drafts share a sequence's pages (docs/architecture.md): the committed prefix is target-written,
 draft passes write provisional rows after it, verify overwrites them; rejection = moving `length`
-back. With `draft_copy` ("int8" or "mxfp4"), a compact copy of every row (csrc/kv_q8.h) sits beside
+back. With `draft_copy` ("int8" or "k8v4"), a compact copy of every row (csrc/kv_q8.h) sits beside
 the pool in the same layout; every native pass writes it with the BF16 row.
 
 Prefix cache: a sequence records which token ids its leading rows hold as target rows (a row
@@ -67,8 +67,11 @@ class KVPool:
         self.lock = threading.RLock()
         shape = (cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim)
         self.data = np.empty(shape, dtype=self.dtype)
-        self.q8 = (np.empty((*shape[:4], cfg.head_dim * DRAFT_COPY_BITS[draft_copy] // 8), dtype=np.int8),
-                   np.empty((*shape[:4], cfg.head_dim // Q8_BLOCK), dtype=np.uint8)) if draft_copy else None
+        # the draft copy (csrc/attention.h KvCacheView::q8k): K values, V values, their scales
+        self.q8 = tuple(np.empty((shape[0], k, 0, *shape[3:4], n), dtype=t) for k, n, t in (
+            (1, cfg.head_dim * DRAFT_COPY_BITS[draft_copy][0] // 8, np.int8),
+            (1, cfg.head_dim * DRAFT_COPY_BITS[draft_copy][1] // 8, np.int8),
+            (2, cfg.head_dim // Q8_BLOCK, np.uint8))) if draft_copy else None
         self.refs = np.zeros(0, dtype=np.int32)  # sequences holding each page
         self._free: list[int] = []               # pages nobody holds and the index does not list
         # the prefix index: page -> (parent key, ids it holds); parent key -> its pages; and the

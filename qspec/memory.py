@@ -1,16 +1,16 @@
 """Memory of the KV cache for a context size, and the check that it fits before it is allocated.
 
 The BF16 cache holds layers x 2 (K, V) x kv_heads x head_dim values of 2 bytes per position; the
-draft copy (qspec/kv_cache.py, csrc/kv_q8.h) 1 byte ("int8") or half a byte ("mxfp4") per value
-plus one E8M0 scale byte per 32 values."""
+draft copy (qspec/kv_cache.py, csrc/kv_q8.h) 1 byte per K value, 1 byte ("int8") or half a byte
+("k8v4") per V value, plus one scale byte per 32 values."""
 
 from __future__ import annotations
 
 from .config import ModelConfig
 from .errors import ContextMemoryError
 
-Q8_BLOCK = 32  # values per E8M0 scale of the draft copy (csrc/kv_q8.h)
-DRAFT_COPY_BITS = {"int8": 8, "mxfp4": 4}  # bits per value of each draft copy
+Q8_BLOCK = 32  # values per scale byte of the draft copy (csrc/kv_q8.h)
+DRAFT_COPY_BITS = {"int8": (8, 8), "k8v4": (8, 4)}  # bits per K value and per V value of each draft copy
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
@@ -20,8 +20,8 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
 
 def draft_kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> int:
     """Bytes of one position of the draft copy `fmt`: its values + one scale byte per Q8_BLOCK."""
-    values = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim
-    return values * DRAFT_COPY_BITS[fmt] // 8 + values // Q8_BLOCK
+    values = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # of K, and of V
+    return values * sum(DRAFT_COPY_BITS[fmt]) // 8 + 2 * values // Q8_BLOCK
 
 
 def available_bytes() -> int | None:

@@ -32,7 +32,7 @@ def test_bytes_per_token_of_the_1_5b():
     cfg = synthetic_config("smollm2-135m", n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128)
     assert kv_bytes_per_token(cfg) == 28 * 1024
     assert draft_kv_bytes_per_token(cfg, "int8") == 14 * 1024 + 14 * 1024 // 32
-    assert draft_kv_bytes_per_token(cfg, "mxfp4") == 14 * 1024 // 2 + 14 * 1024 // 32  # 26.6% of BF16
+    assert draft_kv_bytes_per_token(cfg, "k8v4") == 7 * 1024 * 3 // 2 + 14 * 1024 // 32  # 39.1% of BF16
     assert cache_bytes(cfg, 8192, "int8") == 8192 * (28 * 1024 + 14 * 1024 * 33 // 32)
 
 

@@ -1,8 +1,9 @@
-"""The draft copies of the KV cache, INT8 and MXFP4 (csrc/kv_q8.h, csrc/x86/attention_q8_impl.h,
-qspec/kv_cache.py).
+"""The draft copies of the KV cache, "int8" (INT8 K and V) and "k8v4" (INT8 K, rotated INT4 V)
+(csrc/kv_q8.h, csrc/x86/attention_q8_impl.h, qspec/kv_cache.py).
 
-- The INT8 quantizer equals an independent numpy implementation of its rule, bit for bit; the MXFP4
-  one equals the MX direct cast of qspec/mx.py's reference, packed two codes a byte.
+- Each quantizer equals an independent numpy implementation of its rule, bit for bit (INT4: the
+  fixed-order Walsh-Hadamard rotation in FP32, the UE5M3 scale, the nibble packing), and stays
+  within its error bound.
 - Attention over the copy, on every path this build can run (ref, avx2, avx512 under the
   ISA-emulation build), against a float64 computation over the dequantized values.
 - Batch invariance (row i bit-identical for any m, thread count) and tree rows == linear rows.
@@ -26,9 +27,8 @@ ISA_LEVELS = _C.cpu_info()["isa_levels"]
 TOL_F32_VS_F64 = dict(rtol=1e-4, atol=3e-5)
 # dequantization error of one value: half a step, 2^s / 2 <= max|block| / 127
 Q8_REL_STEP = 1 / 127
-FORMATS = ["int8", "mxfp4"]
-QUANTIZE = {"int8": _C.kv_q8_quantize, "mxfp4": _C.kv_fp4_quantize}
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
+FORMATS = ["int8", "k8v4"]
+V_QUANTIZE = {"int8": _C.kv_q8_quantize, "k8v4": _C.kv_q4_quantize}
 
 
 def bf16(x):
@@ -54,14 +54,82 @@ def quantize_np(bits):
     return q.reshape(bits.shape), (s + 127).astype(np.uint8).reshape(*bits.shape[:-1], -1)
 
 
+def rot_flip(p):
+    """D's diagonal of csrc/kv_q8.h as booleans (True = -1): top bit of i * 0x9E3779B9 mod 2^32."""
+    return ((np.arange(p, dtype=np.uint64) * 0x9E3779B9) & 0xFFFFFFFF) >> 31 == 1
+
+
+def fwht(x):
+    """The fixed-order Walsh-Hadamard butterflies of kv_fwht over the last axis, in x's dtype."""
+    p = x.shape[-1]
+    h = 1
+    while h < p:
+        y = x.reshape(*x.shape[:-1], p // (2 * h), 2, h)
+        x = np.stack([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], axis=-2).reshape(x.shape)
+        h *= 2
+    return x
+
+
+def rot_size(hd):
+    return hd & -hd
+
+
+def q4_scale(e):
+    """UE5M3 scale bytes -> values: (1 + m/8) * 2^(e >> 3 - 16); 0 -> 0, 0xFF -> NaN."""
+    e = np.asarray(e).astype(np.int64)
+    v = (1 + (e & 7) / 8) * np.exp2((e >> 3) - 16.0)
+    return np.where(e == 0, 0.0, np.where(e == 255, np.nan, v))
+
+
+def quantize_q4_np(bits):
+    """The INT4 rule of csrc/kv_q8.h in numpy: rotate per block of P (FP32), per 32 values the
+    smallest UE5M3 scale s with 7 s >= max|y|, q = round-half-even(y / s) in [-7, 7], packed."""
+    hd = bits.shape[-1]
+    p = rot_size(hd)
+    y = f32(bits).reshape(-1, hd // p, p)
+    y = fwht(np.where(rot_flip(p), -y, y)).reshape(-1, 32)
+    finite = np.isfinite(y).all(axis=1)
+    amax = np.where(finite, np.abs(np.where(np.isfinite(y), y, 0)).max(axis=1), 0).astype(np.float32)
+    table = q4_scale(np.arange(256)).astype(np.float32)
+    # the smallest code in [1, 0xFE] with table * 7 >= amax (fl(amax / 7) as the C++ computes it)
+    t = amax / np.float32(7)
+    e = np.searchsorted(table[1:255], t, side="left") + 1
+    e = np.minimum(e, 254)
+    e = np.where(amax > 0, e, 0)
+    e = np.where(finite, e, 255).astype(np.uint8)
+    s = table[e]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(finite[:, None] & (e[:, None] > 0), np.clip(np.rint(y / s[:, None]), -7, 7), 0)
+    nib = q.astype(np.int64).reshape(*bits.shape[:-1], hd) & 15
+    packed = (nib[..., 0::2] | nib[..., 1::2] << 4).astype(np.uint8).view(np.int8)
+    return packed, e.reshape(*bits.shape[:-1], hd // 32)
+
+
+def quantize_copy(kv, fmt):
+    """The draft copy `fmt` of BF16 rows [layers, 2, rows, kv_heads, head_dim]: (K values, V
+    values, scales), as qspec/kv_cache.py holds it."""
+    qk, ek = _C.kv_q8_quantize(np.ascontiguousarray(kv[:, :1]))
+    qv, ev = V_QUANTIZE[fmt](np.ascontiguousarray(kv[:, 1:]))
+    return qk, qv, np.concatenate([ek, ev], axis=1)
+
+
+def dequant_copy(qk, qv, e):
+    """The values of a copy (quantize_copy's form) [layers, 2, rows, kv_heads, head_dim]."""
+    return np.concatenate([dequant(qk, e[:, :1]), dequant(qv, e[:, 1:])], axis=1)
+
+
 def dequant(q, e):
-    """Values of a copy: int8 values, or packed E2M1 codes (last dimension half the values')."""
-    if q.shape[-1] == e.shape[-1] * 16:  # MXFP4: element 2i in the low nibble of byte i
-        b = q.view(np.uint8)
-        vals = E2M1[np.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)]
-    else:
-        vals = q.astype(np.float64)
-    return vals * np.exp2(np.repeat(e.astype(np.float64) - 127, 32, axis=-1))
+    """Values of one quantizer's output in the BF16 rows' basis: int8 values, or packed INT4 ones
+    (last dimension half the values') in the rotated basis, rotated back in float64."""
+    if q.shape[-1] == e.shape[-1] * 16:
+        b = q.view(np.uint8).astype(np.int64)
+        nib = np.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+        y = (nib - ((nib & 8) << 1)) * np.repeat(q4_scale(e), 32, axis=-1)
+        hd = y.shape[-1]
+        p = rot_size(hd)
+        x = fwht(y.reshape(*y.shape[:-1], hd // p, p)) / p
+        return np.where(rot_flip(p), -x, x).reshape(y.shape)
+    return q.astype(np.float64) * np.exp2(np.repeat(e.astype(np.float64) - 127, 32, axis=-1))
 
 
 def test_quantizer_matches_its_rule():
@@ -81,27 +149,38 @@ def test_quantizer_matches_its_rule():
     assert (err <= np.abs(f32(bits)).reshape(-1, 32).max(axis=1, keepdims=True) * Q8_REL_STEP).all()
 
 
-def test_fp4_quantizer_is_the_mx_cast():
-    torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 128)) * np.exp2(rng.integers(-20, 20, (64, 1)))
+@pytest.mark.parametrize("hd", [64, 96, 128, 256])
+def test_q4_quantizer_matches_its_rule(hd):
+    rng = np.random.default_rng(hd)
+    x = rng.standard_normal((64, hd)) * np.exp2(rng.integers(-24, 20, (64, 1)))
     x[3] = 0.0
-    x[4, :32] = 6.0  # floor(log2 6) - 2 = 0: scale 2^0, every code 6.0 (0x7)
+    x[4, 7] = 300.0  # one outlier channel: rotated, it spreads over the block
+    x[5, 1] = np.inf
+    x[6, 0] = np.nan
+    x[7] *= 2.0 ** 60  # past the largest scale: clipped at 0xFE
+    x[8] *= 2.0 ** -60  # below the smallest: scale byte 1
     bits = bf16(x)
-    q, e = _C.kv_fp4_quantize(bits)
-    assert q.shape == (64, 64) and e.shape == (64, 4)
-    assert e[4, 0] == 127 and (q[4, :16].view(np.uint8) == 0x77).all() and not q[3].any()
-    ref = qspec.mx.quantize(torch.from_numpy(f32(bits)), "mxfp4", impl="reference")
-    codes = ref.codes.numpy()
-    np.testing.assert_array_equal(q.view(np.uint8), (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8))
-    np.testing.assert_array_equal(e, ref.scales.numpy())
-    np.testing.assert_array_equal(dequant(q, e), qspec.mx.dequantize(ref, impl="reference").numpy())
+    q, e = _C.kv_q4_quantize(bits)
+    q_ref, e_ref = quantize_q4_np(bits)
+    assert q.shape == (64, hd // 2) and e.shape == (64, hd // 32)
+    np.testing.assert_array_equal(e, e_ref)
+    np.testing.assert_array_equal(q, q_ref)
+    assert not e[3].any() and not q[3].any()
+    p = rot_size(hd)
+    assert (e[5].reshape(-1, p // 32)[0] == 255).all() and (e[6].reshape(-1, p // 32)[0] == 255).all()
+    assert (e[7] == 254).all() and (e[8] == 1).all() and e[3].sum() == 0
+    # error: at most half a step per rotated value; the rotation is sqrt(P) times an orthogonal map
+    ok = np.setdiff1d(np.flatnonzero((e < 254).all(axis=1)), [5, 6, 8])  # not clipped
+    err_rot = np.repeat(q4_scale(e[ok]), 32, axis=-1) / 2
+    bound = np.sqrt((err_rot.reshape(len(ok), -1, p) ** 2).sum(axis=-1) / p)
+    err = np.linalg.norm((dequant(q[ok], e[ok]) - f32(bits[ok])).reshape(len(ok), -1, p), axis=-1)
+    assert (err <= bound * (1 + 1e-6) + 1e-30).all()
 
 
 def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8"):
     rng = np.random.default_rng(seed)
     kv = bf16(rng.standard_normal((2, 2, max_seq, kv_heads, head_dim)) * 1.5)
-    return kv, QUANTIZE[fmt](kv)
+    return kv, quantize_copy(kv, fmt)
 
 
 def attention_f64(q, vals, layer, start_pos, window=0, sinks=0):
@@ -132,7 +211,7 @@ def test_kernel_against_f64(path, shape, start_pos, m, fmt):
     kv, q8 = make_cache(start_pos + m + 3, kv_heads, hd, fmt=fmt)
     q = np.random.default_rng(1).standard_normal((m, n_heads, hd)).astype(np.float32)
     got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8)
-    np.testing.assert_allclose(got, attention_f64(q, dequant(*q8), 1, start_pos), **TOL_F32_VS_F64)
+    np.testing.assert_allclose(got, attention_f64(q, dequant_copy(*q8), 1, start_pos), **TOL_F32_VS_F64)
     bf = _C.attention(q, kv, 1, start_pos, path=path)
     assert not np.array_equal(got, bf)  # it reads the copy, not the BF16 rows
 
@@ -147,7 +226,7 @@ def test_window_and_sinks_against_f64(path, window, sinks, start_pos, m, fmt):
     kv, q8 = make_cache(start_pos + m + 3, 2, 64, seed=6, fmt=fmt)
     q = np.random.default_rng(7).standard_normal((m, 6, 64)).astype(np.float32)
     got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8, window=window, sinks=sinks)
-    want = attention_f64(q, dequant(*q8), 1, start_pos, window, sinks)
+    want = attention_f64(q, dequant_copy(*q8), 1, start_pos, window, sinks)
     np.testing.assert_allclose(got, want, **TOL_F32_VS_F64)
     for i in (0, m - 1):  # a row alone: the same bits
         one = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, q8=q8, window=window, sinks=sinks)
@@ -201,7 +280,7 @@ def test_tree_rows_equal_linear_path(path, prefix, fmt):
             s = parents[s - prefix]
         lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
         for j, slot in enumerate(path_slots):
-            for a, b in ((lin_kv, kv), (lin_q8[0], q8[0]), (lin_q8[1], q8[1])):
+            for a, b in zip((lin_kv, *lin_q8), (kv, *q8)):
                 a[:, :, prefix + j] = b[:, :, slot]
         pos = prefix + len(path_slots) - 1
         lin = _C.attention(q[i:i + 1], lin_kv, 0, pos, path=path, q8=lin_q8)
@@ -209,9 +288,10 @@ def test_tree_rows_equal_linear_path(path, prefix, fmt):
 
 
 def test_kernel_argument_errors():
-    kv, (qv, qs) = make_cache(16, 2, 64)
+    kv, (qk, qv, qs) = make_cache(16, 2, 64, fmt="k8v4")
     q = np.zeros((1, 4, 64), np.float32)
-    for bad in [(qv[:, :, :8], qs), (qv.astype(np.uint8), qs), (qv, qs[..., :1])]:
+    for bad in [(qk[:, :, :8], qv, qs), (qk.astype(np.uint8), qv, qs), (qk, qv, qs[..., :1]), (qk, qv),
+                (qk, qv[..., :8], qs), (qv, qk, qs), (qk, qv, qs[:, :1]), (qk, qv, qs.astype(np.int8))]:
         with pytest.raises(ValueError, match="q8"):
             _C.attention(q, kv, 0, 3, q8=bad)
 
@@ -227,8 +307,8 @@ def model_dir(tmp_path_factory):
 
 def copy_matches(kv, n):
     rows = kv.rows(0, n)  # the pool rows of the sequence's positions 0..n-1
-    q, e = QUANTIZE[kv.pool.draft_copy](np.ascontiguousarray(kv.data[:, :, rows]))
-    return np.array_equal(q, kv.q8[0][:, :, rows]) and np.array_equal(e, kv.q8[1][:, :, rows])
+    want = quantize_copy(kv.data[:, :, rows], kv.pool.draft_copy)
+    return all(np.array_equal(w, a[:, :, rows]) for w, a in zip(want, kv.q8))
 
 
 def test_memory_figure(model_dir):
@@ -237,13 +317,13 @@ def test_memory_figure(model_dir):
     bf16_bytes = 2 * 2 * 2 * 32 * 2  # layers x (K, V) x kv_heads x head_dim x 2 bytes
     assert kv.bytes_per_position == bf16_bytes * (1 + 33 / 64)  # the copy: 51.6% of the BF16 cache
     assert "INT8 draft copy (52% of the BF16 cache)" in eng.memory(1000)
-    eng = qspec.load(model_dir, draft="mxfp4", draft_kv="mxfp4")
-    assert eng.backend.kv.bytes_per_position == bf16_bytes * (1 + 17 / 64)  # 26.6%
-    assert "MXFP4 draft copy (27% of the BF16 cache)" in eng.memory(1000)
+    eng = qspec.load(model_dir, draft="mxfp4", draft_kv="k8v4")
+    assert eng.backend.kv.bytes_per_position == bf16_bytes * (1 + 25 / 64)  # 39.1%
+    assert "K8V4 draft copy (39% of the BF16 cache)" in eng.memory(1000)
     assert qspec.load(model_dir, draft="mxfp4", draft_kv="bf16").backend.kv.q8 is None
     assert qspec.load(model_dir, draft=None).backend.kv.q8 is None
     with pytest.raises(ValueError, match="draft_kv"):
-        qspec.load(model_dir, draft_kv="int4")
+        qspec.load(model_dir, draft_kv="mxfp4")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -301,7 +381,7 @@ def test_draft_kv_changed_after_load(model_dir):
     # load's copy in every mode)
     from qspec.native import DRAFT_KV_AUTO_FORMAT
 
-    other = "mxfp4" if DRAFT_KV_AUTO_FORMAT == "int8" else "int8"
+    other = "k8v4" if DRAFT_KV_AUTO_FORMAT == "int8" else "int8"
     be = qspec.load(model_dir, draft="mxfp4").backend  # draft_kv="auto": the DRAFT_KV_AUTO_FORMAT copy
     be.draft_kv = "bf16"
     assert not be.reads_draft_copy(True, 10**6)
@@ -311,7 +391,7 @@ def test_draft_kv_changed_after_load(model_dir):
     be.draft_kv = DRAFT_KV_AUTO_FORMAT
     assert be.reads_draft_copy(True, 0)
     with pytest.raises(ValueError):
-        be.draft_kv = "int4"
+        be.draft_kv = "int4"  # no such mode
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

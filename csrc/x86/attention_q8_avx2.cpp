@@ -1,4 +1,4 @@
-// AVX2 + FMA attention over the INT8 draft copy of the KV cache (attention_q8_impl.h, 8 lanes).
+// AVX2 + FMA attention over the draft copy of the KV cache (attention_q8_impl.h, 8 lanes).
 #include "attention_q8_impl.h"
 
 namespace qspec {

@@ -1,4 +1,4 @@
-// AVX-512 attention over the INT8 draft copy of the KV cache (attention_q8_impl.h): head_dim loops
+// AVX-512 attention over the draft copy of the KV cache (attention_q8_impl.h): head_dim loops
 // 16 lanes wide (dot products, V accumulation, int8 -> FP32), the per-key steps on 8 lanes.
 #define QSPEC_Q8_AVX512 1
 #include "attention_q8_impl.h"

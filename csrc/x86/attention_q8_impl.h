@@ -1,4 +1,4 @@
-// Attention over the INT8 draft copy of the KV cache (csrc/kv_q8.h), for the MX draft passes.
+// Attention over the draft copy of the KV cache (csrc/kv_q8.h: INT8 K, INT8 or INT4 V), for the MX draft passes.
 // Included by exactly one translation unit per ISA (attention_q8_avx2.cpp, attention_q8_avx512.cpp)
 // and wrapped in an anonymous namespace, so each gets a private copy compiled for its flags.
 // `T` is the vector width of the head_dim loops (score dot products, V accumulation): 8 lanes
@@ -78,14 +78,12 @@ inline int64_t q8_round8(int64_t x) { return (x + 7) & ~int64_t(7); }
 
 // Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
 // K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
-// 8 E2M1 codes (4 bytes, element 2i in the low nibble of byte i) -> 8 FP32 values (exact).
-inline __m256 fp4x8(const int8_t* p) {
+// 8 INT4 values (4 bytes, element 2i in the low nibble of byte i) -> 8 FP32 values (exact).
+inline __m256 int4x8(const int8_t* p) {
   int32_t w;
   std::memcpy(&w, p, 4);
-  const __m256i c = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-  const __m256 mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), c);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
-  return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+  const __m256i c = _mm256_sllv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(c, 28));
 }
 
 template <class T>
@@ -95,12 +93,12 @@ void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64
   for (int64_t t = 0; t < nk; ++t) {
     const int64_t slot = attn_key_slot(a, row, j0 + t);
     const uint8_t* e = a.kv.q8_scales(a.layer, kv_index, slot) + kvh * (hd / kQ8Block);
-    if (a.kv.q_bits == 4) {
+    if (kv_index == 1 && a.kv.v_bits == 4) {
       const int8_t* q = a.kv.q8_row(a.layer, kv_index, slot) + kvh * hd / 2;
       for (int64_t b = 0; b < hd; b += kQ8Block) {
-        const __m256 s = _mm256_set1_ps(kv_q8_scale(e[b / kQ8Block]));
+        const __m256 s = _mm256_set1_ps(kv_q4_scale(e[b / kQ8Block]));
         for (int64_t c = 0; c < kQ8Block; c += 8)
-          _mm256_storeu_ps(dst + t * hd + b + c, _mm256_mul_ps(fp4x8(q + (b + c) / 2), s));
+          _mm256_storeu_ps(dst + t * hd + b + c, _mm256_mul_ps(int4x8(q + (b + c) / 2), s));
       }
       continue;
     }
@@ -257,7 +255,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       // the next block's rows, while this one is computed (as convert_block in attention_avx2.cpp)
       for (int64_t j = b1; j < b1 + kb && j < n_sh; ++j) {
         const char* row = reinterpret_cast<const char*>(a.kv.q8_row(a.layer, kv_index, attn_key_slot(a, 0, j)));
-        for (int64_t x = 0; x < hd * a.kv.q_bits / 8; x += 64) _mm_prefetch(row + kvh * hd * a.kv.q_bits / 8 + x, _MM_HINT_T0);
+        const int64_t hb = a.kv.q8_head_bytes(kv_index);
+        for (int64_t x = 0; x < hb; x += 64) _mm_prefetch(row + kvh * hb + x, _MM_HINT_T0);
       }
       q8_dequant<T>(a, kv_index, kvh, 0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf);
       for (int64_t u = 0; u < np; ++u)
@@ -278,7 +277,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
 
   for (int64_t u = 0; u < np; ++u) {
     if (!live(u)) continue;  // below its window and past its sinks: no partial
-    const float* acc = accs + u * hd;
+    float* acc = accs + u * hd;
+    if (a.kv.v_bits == 4) kv_unrotate(acc, hd, kv_rot_size(hd));  // INT4 V: sums in the rotated basis
     float* out;
     float inv;
     if (n_full(u) <= kAttnSegKeys) {
