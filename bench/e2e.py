@@ -294,7 +294,7 @@ def main(argv=None) -> None:
                    help="real long prompts of N tokens (standard-library source + a question) instead of "
                    "the prompt file")
     p.add_argument("--draft-kv", type=lambda s: s.split(","), default=["auto"],
-                   help="comma list of draft KV modes to compare: auto, int8, k8v4, bf16 (default auto)")
+                   help="comma list of draft KV modes to compare: auto, int8, int4, bf16 (default auto)")
     p.add_argument("--draft-windows", type=_windows, default=None,
                    help="comma list of draft windows to compare (qspec.load(draft_window=N): the drafts attend the "
                    "first 64 and the N most recent tokens over the draft KV copy; 0 = every token; default: the "

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16.h"
 #include "bindings.h"
 #include "pool.h"
 #include "profile.h"
@@ -33,13 +34,6 @@
 namespace qspec {
 
 namespace {
-
-float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 int64_t head_dim_of(const AttnArgs& a) { return a.kv.head_dim; }
 
@@ -86,9 +80,15 @@ void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores
     const int64_t slot = attn_key_slot(a, i, j);
     const int64_t c = kvh * hd + d;
     const int8_t* row = a.kv.q8_row(a.layer, kv_index, slot);
+    const float q4 = float(kv_q4_value(uint8_t(row[c / 2]) >> (4 * (c & 1)) & 15));
+    if (kv_index == 0 && a.kv.k_bits == 4) {  // its group's copy once written, else the BF16 row
+      const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
+      if (!a.kv.k_final[g]) return bf16_to_f32(a.kv.k(a.layer, slot)[c]);
+      const uint8_t* ph = a.kv.k_group_params(a.layer, g) + kvh * 3 * hd;
+      return bf16_to_f32(uint16_t(ph[2 * d] | ph[2 * d + 1] << 8)) + q4 * kv_q4_scale(ph[2 * hd + d]);
+    }
     const uint8_t e = a.kv.q8_scales(a.layer, kv_index, slot)[c / kQ8Block];
-    if (kv_index == 1 && a.kv.v_bits == 4)
-      return float(kv_q4_value(uint8_t(row[c / 2]) >> (4 * (c & 1)) & 15)) * kv_q4_scale(e);
+    if (kv_index == 1 && a.kv.v_bits == 4) return q4 * kv_q4_scale(e);
     return float(row[c]) * kv_q8_scale(e);
   };
   // keys [0, gap) and [lo, p]: the sinks and the window (all of 0..p without a window)
@@ -170,7 +170,7 @@ const char* attn_path_name(AttnPath p) {
 }
 
 bool attn_supports(AttnPath p, const AttnArgs& a) {
-  if (a.draft_q8 && (!a.kv.q8k || !a.kv.q8v || !a.kv.q8_scale || a.kv.head_dim % kQ8Block != 0)) return false;
+  if (a.draft_q8 && (!a.kv.q8k || !a.kv.q8v || !a.kv.k_scale || a.kv.head_dim % kQ8Block != 0)) return false;
   if (a.sink_keys < 0 || a.sink_keys > kAttnSegKeys || (a.sink_keys > 0 && !a.draft_q8)) return false;
   switch (p) {
     case AttnPath::ref: return true;
@@ -539,6 +539,8 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
   }
   if (q8) {  // attend over the draft copy instead of the BF16 rows
     kv_set_copy(a.kv, *q8, "attention: q8");
+    if (a.kv.k_bits == 4 && pages && page_size != a.kv.k_group)
+      throw std::invalid_argument("attention: q8's INT4 K groups must be the pages");
     a.draft_q8 = true;
   }
   if (sinks < 0 || sinks > kAttnSegKeys || (sinks > 0 && !a.draft_q8))

@@ -21,15 +21,20 @@ struct KvCacheView {
   uint16_t* data = nullptr;
   // layers, pool rows per layer and K/V (max_seq), kv_heads, head_dim
   int64_t layers = 0, max_seq = 0, kv_heads = 0, head_dim = 0;
-  // The draft copy (csrc/kv_q8.h), or null: K rows as int8 values [layers][max_seq][kv_heads]
-  // [head_dim] (q8k), V rows as int8 values (v_bits 8) or packed INT4 ones in the rotated basis
-  // (v_bits 4) [layers][max_seq][kv_heads][head_dim · v_bits / 8] bytes (q8v), and one scale byte
-  // per kQ8Block values [layers][2][max_seq][kv_heads][head_dim / kQ8Block]. Every forward that
-  // writes a BF16 row also writes its copy; only MX draft passes read it (AttnArgs::draft_q8).
+  // The draft copy (csrc/kv_q8.h), or null, in arrays with the pool's rows: K values
+  // [layers][max_seq][row_elems · k_bits / 8] (q8k), V values [..][row_elems · v_bits / 8] (q8v),
+  // K scales [layers][max_seq][k_scale_bytes()] (k_bits 8: one per 32 values; k_bits 4: each group
+  // of k_group rows holds its kv_k4_group params across its rows' bytes), V scales
+  // [layers][max_seq][row_elems / 32], and per row a flag (k_final): the first row of a K group
+  // (k_bits 4) holds 1 once the group's K copy is written. Every forward writes the V (and INT8 K)
+  // copy of its rows; only MX draft passes read the copy (AttnArgs::draft_q8).
   int8_t* q8k = nullptr;
   int8_t* q8v = nullptr;
-  uint8_t* q8_scale = nullptr;
-  int v_bits = 8;
+  uint8_t* k_scale = nullptr;
+  uint8_t* v_scale = nullptr;
+  uint8_t* k_final = nullptr;
+  int k_bits = 8, v_bits = 8;
+  int64_t k_group = 0;  // rows per K group (k_bits 4): the pool's page size
   // Paged cache (qspec/kv_cache.py): the pool's rows are pages of page_size rows (a multiple of
   // 8), and the sequence's position p sits in pool row pages[p / page_size] · page_size +
   // p % page_size. Null: position p is pool row p (one contiguous sequence). Every accessor
@@ -51,14 +56,22 @@ struct KvCacheView {
   uint16_t* v(int64_t layer, int64_t pos) const {
     return data + ((layer * 2 + 1) * max_seq + slot(pos)) * row_elems();
   }
-  // kv_index 0 = K, 1 = V; the row's first byte (V with v_bits 4: value 2i in the low nibble of byte i)
+  // kv_index 0 = K, 1 = V; the row's first byte (4 bits: value 2i in the low nibble of byte i)
   int8_t* q8_row(int64_t layer, int kv_index, int64_t pos) const {
     const int64_t r = layer * max_seq + slot(pos);
-    return kv_index ? q8v + r * row_elems() * v_bits / 8 : q8k + r * row_elems();
+    return kv_index ? q8v + r * row_elems() * v_bits / 8 : q8k + r * row_elems() * k_bits / 8;
   }
-  int64_t q8_head_bytes(int kv_index) const { return kv_index ? head_dim * v_bits / 8 : head_dim; }
+  int64_t q8_head_bytes(int kv_index) const { return head_dim * (kv_index ? v_bits : k_bits) / 8; }
+  int64_t k_scale_bytes() const { return k_bits == 8 ? row_elems() / kQ8Block : 3 * row_elems() / k_group; }
+  // The INT8 K or the V scales of a row (kv_index 0 with k_bits 4: use k_group_params)
   uint8_t* q8_scales(int64_t layer, int kv_index, int64_t pos) const {
-    return q8_scale + ((layer * 2 + kv_index) * max_seq + slot(pos)) * (row_elems() / kQ8Block);
+    const int64_t r = layer * max_seq + slot(pos);
+    return kv_index ? v_scale + r * (row_elems() / kQ8Block) : k_scale + r * k_scale_bytes();
+  }
+  // k_bits 4: the pool row starting pool row `slot`'s K group, its flag and its params
+  int64_t k_group_row(int64_t pool_row) const { return pool_row - pool_row % k_group; }
+  uint8_t* k_group_params(int64_t layer, int64_t group_row) const {
+    return k_scale + (layer * max_seq + group_row) * k_scale_bytes();
   }
 };
 
@@ -66,6 +79,13 @@ struct KvCacheView {
 // positive multiple of 8 dividing kv.max_seq, positions 0..positions-1 covered by pages that lie
 // in the pool. Throws std::invalid_argument otherwise. The table must outlive the view's use.
 void kv_set_pages(KvCacheView& kv, const int32_t* pages, int64_t n_pages, int64_t page_size, int64_t positions);
+
+// The INT4 K copy (kv.k_bits 4, kv_q8.h): writes the K groups of positions [pos0, pos1) (multiples
+// of kv.k_group, all committed rows) whose flag is unset, newest first, stopping at the first one
+// already written (a sequence's groups are written in order); kv_k4_unfinal clears the flags of
+// the groups holding positions [pos0, pos1) (rows about to be written). kv_q8.cpp.
+void kv_k4_finalize(const KvCacheView& kv, int64_t pos0, int64_t pos1);
+void kv_k4_unfinal(const KvCacheView& kv, int64_t pos0, int64_t pos1);
 
 // A draft tree over the cache (docs/architecture.md, "Tree attention"). Cache rows [0, prefix)
 // are the committed linear prefix; every later slot holds one tree node. Query row i is the node

@@ -10,27 +10,17 @@
 #include <vector>
 
 #include "attention.h"
+#include "bf16.h"
 #include "bindings.h"
 
 namespace qspec {
-
-namespace {
-
-float bf16_value(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-}  // namespace
 
 void kv_q8_quantize(const uint16_t* bf16, int64_t n, int8_t* q, uint8_t* scale) {
   for (int64_t b = 0; b < n; b += kQ8Block) {
     float x[kQ8Block];
     float amax = 0.f;
     for (int64_t i = 0; i < kQ8Block; ++i) {
-      x[i] = bf16_value(bf16[b + i]);
+      x[i] = bf16_to_f32(bf16[b + i]);
       const float ax = std::fabs(x[i]);
       if (ax > amax) amax = ax;  // NaN never compares greater: a NaN value quantizes to 0
     }
@@ -72,7 +62,7 @@ void kv_q4_quantize(const uint16_t* bf16, int64_t n, int64_t head_dim, uint8_t* 
   const int64_t p = kv_rot_size(head_dim), c = p > kQ8Block ? p : kQ8Block;
   std::vector<float> y(static_cast<size_t>(c));
   for (int64_t r = 0; r < n; r += c) {
-    for (int64_t i = 0; i < c; ++i) y[i] = bf16_value(bf16[r + i]);
+    for (int64_t i = 0; i < c; ++i) y[i] = bf16_to_f32(bf16[r + i]);
     kv_rotate(y.data(), c, p);
     for (int64_t b = 0; b < c; b += kQ8Block) {
       float amax = 0.f;
@@ -98,32 +88,89 @@ void kv_q4_quantize(const uint16_t* bf16, int64_t n, int64_t head_dim, uint8_t* 
   }
 }
 
+void kv_k4_group(const uint16_t* x, int64_t g, int64_t n, int64_t head_dim, uint8_t* packed, uint8_t* params) {
+  for (int64_t c = 0; c < n; ++c) {
+    float lo = INFINITY, hi = -INFINITY;
+    bool finite = true;
+    for (int64_t i = 0; i < g; ++i) {
+      const float v = bf16_to_f32(x[i * n + c]);
+      finite = finite && std::isfinite(v);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    const uint16_t center = finite ? f32_to_bf16(lo * 0.5f + hi * 0.5f) : 0;
+    const float cf = bf16_to_f32(center);
+    const float r = finite ? std::fmax(hi - cf, cf - lo) : 0.f;
+    const uint8_t e = finite ? q4_scale_byte(r) : 0xFF;
+    const float s = kv_q4_scale(e);
+    for (int64_t i = 0; i < g; ++i) {
+      float v = finite && e ? std::nearbyint((bf16_to_f32(x[i * n + c]) - cf) / s) : 0.f;
+      v = v > 7.f ? 7.f : v < -7.f ? -7.f : v;
+      uint8_t& byte = packed[i * (n / 2) + c / 2];
+      const uint8_t nib = uint8_t(int(v) & 15);
+      byte = c & 1 ? uint8_t((byte & 0x0F) | nib << 4) : uint8_t((byte & 0xF0) | nib);
+    }
+    uint8_t* ph = params + (c / head_dim) * 3 * head_dim;
+    const int64_t d = c % head_dim;
+    ph[2 * d] = uint8_t(center & 0xFF);
+    ph[2 * d + 1] = uint8_t(center >> 8);
+    ph[2 * head_dim + d] = e;
+  }
+}
+
 namespace py = pybind11;
 
 void kv_set_copy(KvCacheView& kv, const py::tuple& copy, const char* who) {
   const int64_t hd = kv.head_dim;
   auto fail = [&] {
-    throw std::invalid_argument(std::string(who) + " must be (int8 K values [layers, 1, rows, kv_heads, head_dim], "
-                                "int8 V values [.., head_dim or head_dim / 2], uint8 scales [layers, 2, rows, "
-                                "kv_heads, head_dim / 32]) matching the cache, with head_dim a multiple of 32");
+    throw std::invalid_argument(std::string(who) + " must be the draft copy of qspec/kv_cache.py: (K values, V values "
+                                "[layers, 1, rows, kv_heads, head_dim or head_dim / 2] int8, K scales, V scales "
+                                "[layers, 1, rows, kv_heads, n] uint8, flags [1, 1, rows, 1, 1] uint8) matching "
+                                "the cache, with head_dim a multiple of 32");
   };
-  if (copy.size() != 3 || hd % kQ8Block != 0) fail();
-  py::array a[3];
-  for (int i = 0; i < 3; ++i) {
+  if (copy.size() != 5 || hd % kQ8Block != 0) fail();
+  py::array a[5];
+  for (int i = 0; i < 5; ++i) {
     if (!py::isinstance<py::array>(copy[i])) fail();
     a[i] = copy[i].cast<py::array>();
     if (a[i].ndim() != 5 || a[i].itemsize() != 1 || !(a[i].flags() & py::array::c_style) ||
-        a[i].dtype().kind() != (i < 2 ? 'i' : 'u') || !a[i].writeable())
-      fail();
-    if (a[i].shape(0) != kv.layers || a[i].shape(1) != (i < 2 ? 1 : 2) || a[i].shape(2) != kv.max_seq ||
-        a[i].shape(3) != kv.kv_heads)
+        a[i].dtype().kind() != (i < 2 ? 'i' : 'u') || !a[i].writeable() || a[i].shape(1) != 1 ||
+        a[i].shape(2) != kv.max_seq || a[i].shape(0) != (i < 4 ? kv.layers : 1) ||
+        a[i].shape(3) != (i < 4 ? kv.kv_heads : 1))
       fail();
   }
-  if (a[0].shape(4) != hd || (a[1].shape(4) != hd && a[1].shape(4) != hd / 2) || a[2].shape(4) != hd / kQ8Block) fail();
+  const int64_t kv_n = a[0].shape(4), vv_n = a[1].shape(4), ks_n = a[2].shape(4);
+  if ((kv_n != hd && kv_n != hd / 2) || (vv_n != hd && vv_n != hd / 2) || a[3].shape(4) != hd / kQ8Block ||
+      a[4].shape(4) != 1)
+    fail();
+  kv.k_bits = kv_n == hd ? 8 : 4;
+  kv.v_bits = vv_n == hd ? 8 : 4;
+  if (kv.k_bits == 8 ? ks_n != hd / kQ8Block : ks_n <= 0 || (3 * hd) % ks_n != 0 || hd > 512) fail();
+  kv.k_group = kv.k_bits == 4 ? 3 * hd / ks_n : 0;  // rows per K group
+  if (kv.k_bits == 4 && (kv.k_group % 8 != 0 || kv.max_seq % kv.k_group != 0))
+    throw std::invalid_argument(std::string(who) + ": the INT4 K copy's groups (" + std::to_string(kv.k_group) +
+                                " rows) must be a multiple of 8 dividing the pool's rows");
   kv.q8k = static_cast<int8_t*>(a[0].mutable_data());
   kv.q8v = static_cast<int8_t*>(a[1].mutable_data());
-  kv.q8_scale = static_cast<uint8_t*>(a[2].mutable_data());
-  kv.v_bits = a[1].shape(4) == hd ? 8 : 4;
+  kv.k_scale = static_cast<uint8_t*>(a[2].mutable_data());
+  kv.v_scale = static_cast<uint8_t*>(a[3].mutable_data());
+  kv.k_final = static_cast<uint8_t*>(a[4].mutable_data());
+}
+
+void kv_k4_finalize(const KvCacheView& kv, int64_t pos0, int64_t pos1) {
+  const int64_t g = kv.k_group, n = kv.row_elems();
+  for (int64_t p = pos1 - g; p >= pos0; p -= g) {  // newest first: stop at a group already written
+    const int64_t row = kv.slot(p);
+    if (kv.k_final[row]) break;
+    for (int64_t l = 0; l < kv.layers; ++l)
+      kv_k4_group(kv.k(l, p), g, n, kv.head_dim, reinterpret_cast<uint8_t*>(kv.q8_row(l, 0, p)),
+                  kv.k_group_params(l, row));
+    kv.k_final[row] = 1;
+  }
+}
+
+void kv_k4_unfinal(const KvCacheView& kv, int64_t pos0, int64_t pos1) {
+  for (int64_t p = pos0 - pos0 % kv.k_group; p < pos1; p += kv.k_group) kv.k_final[kv.slot(p)] = 0;
 }
 
 void bind_kv_q8(py::module_& m) {
@@ -157,6 +204,24 @@ void bind_kv_q8(py::module_& m) {
      "INT4 draft copy of BF16 bits [..., head_dim] (head_dim a multiple of 32), in the rotated basis of "
      "csrc/kv_q8.h: (packed two's complement nibbles [..., head_dim / 2] as int8 bytes, element 2i in "
      "the low nibble of byte i; UE5M3 scale bytes [..., head_dim / 32])");
+  m.def("kv_k4_group", [](py::array_t<uint16_t, py::array::c_style> x, int64_t head_dim) {
+    if (x.ndim() < 2 || head_dim <= 0 || head_dim % kQ8Block != 0 || x.shape(x.ndim() - 1) % head_dim != 0)
+      throw std::invalid_argument("kv_k4_group: x must be BF16 bits [..., g, n] with n a multiple of head_dim, "
+                                  "head_dim a positive multiple of 32");
+    const int64_t g = x.shape(x.ndim() - 2), n = x.shape(x.ndim() - 1), groups = g * n ? x.size() / (g * n) : 0;
+    std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim());
+    shape.back() = n / 2;
+    py::array_t<int8_t> q(shape);
+    shape.pop_back();
+    shape.back() = 3 * n;
+    py::array_t<uint8_t> params(shape);
+    for (int64_t i = 0; i < groups; ++i)
+      kv_k4_group(x.data() + i * g * n, g, n, head_dim, reinterpret_cast<uint8_t*>(q.mutable_data()) + i * g * n / 2,
+                  params.mutable_data() + i * 3 * n);
+    return std::make_pair(q, params);
+  }, py::arg("bf16"), py::arg("head_dim"),
+     "INT4 K copy of groups of g BF16 rows [..., g, n] (kv_q8.h kv_k4_group): (packed nibbles [..., g, n / 2] "
+     "as int8, params [..., 3 n]: per head its head_dim BF16 centers then its head_dim UE5M3 scale bytes)");
 }
 
 }  // namespace qspec

@@ -1,17 +1,25 @@
-// The draft copy of the KV cache (docs/architecture.md, "The KV cache"): every BF16 K/V row is
-// also stored in a compact form with one scale byte per kQ8Block values, written in the same pass
-// as the BF16 row and derived from the BF16 bits only, so the copy of a row is a function of that
-// row (prefix reuse, verify overwrites and tree moves keep it consistent). The MX draft passes
-// attend over it. K rows are always INT8; V rows INT8 or INT4 (KvCacheView::v_bits): 4-bit K
-// rows cost the drafts most of their acceptance (README, "Long prompts"), 4-bit V rows nothing
-// measurable.
+// The draft copy of the KV cache (docs/architecture.md, "The KV cache"), derived from the BF16 bits
+// only and written by the forward passes; the MX draft passes attend over it. Two formats
+// (KvCacheView::k_bits / v_bits):
+//   "int8": K and V rows as INT8, one E8M0 scale per 32 values (51.6% of the BF16 bytes);
+//   "int4": V rows as rotated INT4 (below), K as INT4 per channel over each group of G rows (a
+//           page of the pool): 28.1% at G = 32 for head_dim 128. 4-bit K rows quantized per row,
+//           in every form tried (MXFP4, INT4, finer scales, blocks of 8, rotated or not), cost the
+//           drafts most of their acceptance: a few K channels are far larger than the rest, and
+//           the error a per-row scale leaves lands where q is large too. Per channel it does not
+//           (KIVI; README, "Long prompts").
+// A row's V copy (and INT8 K copy) is a function of that row, written in the same pass as the BF16
+// row; a group's K copy is a function of the group's G rows, written once all of them are
+// committed (kv_k4_group; the forward of a target pass finalizes the groups below its first
+// position, attention reads a group's copy only once its flag is set and the BF16 K rows
+// otherwise), so prefix reuse, verify overwrites and tree moves keep both consistent.
 //
 // INT8 (8 bits): 1 + 1/32 bytes per value instead of 2. Quantization of a block x[0..32): s = the
 // smallest integer with max|x| <= 127 · 2^s (clamped to [-126, 127]); q = round-half-even(x / 2^s),
 // clamped to [-127, 127]; scale byte = s + 127. Every x / 2^s is exact, so is the rounding;
 // dequantization q · 2^s is exact in FP32.
 //
-// INT4 (4 bits): 1/2 + 1/32 bytes per value, in a rotated basis. Each head's row of head_dim
+// INT4 V (4 bits): 1/2 + 1/32 bytes per value, in a rotated basis. Each head's row of head_dim
 // values is cut into blocks of P = the largest power of two dividing head_dim, and each block x
 // becomes H·D·x: D a fixed ±1 diagonal (kv_rot_flip), H the unnormalized P×P Walsh-Hadamard
 // matrix (H·H = P·I), as a fast transform whose butterflies run in a fixed order (kv_rotate), so
@@ -37,6 +45,16 @@ void kv_q8_quantize(const uint16_t* bf16, int64_t n, int8_t* q, uint8_t* scale);
 // n BF16 values (n a multiple of head_dim, head_dim of kQ8Block) -> n / 2 bytes of packed INT4
 // values in the rotated basis and n / kQ8Block UE5M3 scale bytes.
 void kv_q4_quantize(const uint16_t* bf16, int64_t n, int64_t head_dim, uint8_t* packed, uint8_t* scale);
+
+// INT4 K over a group of g rows x[g][n] (n = kv_heads · head_dim BF16 values, head_dim a multiple
+// of kQ8Block): per head and channel c, over the g values: lo, hi = their min and max; center =
+// the BF16 value nearest (lo + hi) / 2 (ties to even); r = the largest |x - center|; the scale is
+// the smallest UE5M3 value s with 7·s >= r (the INT4 V scale's rule; 0 when r = 0); q =
+// round-half-even((x - center) / s) clamped to [-7, 7], dequantized center + q · s. A channel with
+// a non-finite value gets scale byte 0xFF (NaN) and center 0. Out: packed[g][n / 2] (element c of
+// row i in nibble c & 1 of byte c / 2, two's complement) and params[3 · n]: per head h at
+// h · 3 · head_dim, its head_dim centers (BF16 bits, little-endian) then its head_dim scale bytes.
+void kv_k4_group(const uint16_t* x, int64_t g, int64_t n, int64_t head_dim, uint8_t* packed, uint8_t* params);
 
 // The rotation's block size for a head_dim (a multiple of kQ8Block): its largest power-of-two divisor.
 inline int64_t kv_rot_size(int64_t head_dim) { return head_dim & -head_dim; }

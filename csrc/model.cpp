@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "bf16.h"
 #include "bindings.h"
 #include "gemm.h"
 #include "model_ops.h"
@@ -70,21 +71,6 @@ void for_rows(int64_t m, F&& f) {
 // The target and up to three MX drafts (a speculation chain of at most four levels above it,
 // of which the top one may be the weightless n-gram drafter).
 constexpr int kWeightSets = 4;
-
-inline float bf16_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
 
 void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out) {
   float ss = 0.f;
@@ -328,6 +314,11 @@ class Model {
       else
         for (int64_t i = 0; i < d_; ++i) h_[r * d_ + i] = bf16_to_f32(e[i]) * embed_scale_;
     }
+    for (const SeqPass& sp : seqs)  // the INT4 K copy: groups below a target pass are committed
+      if (sp.kv.q8k && sp.kv.k_bits == 4) {
+        kv_k4_unfinal(sp.kv, sp.start_pos, sp.start_pos + sp.m);
+        if (set == 0) kv_k4_finalize(sp.kv, 0, sp.start_pos / sp.kv.k_group * sp.kv.k_group);
+      }
     const int64_t half = rope_dim_ / 2;
     for (int64_t l = 0; l < n_layers_; ++l) {
       const LayerSet& L = ws.layers[l];
@@ -360,8 +351,8 @@ class Model {
           kd[i] = f32_to_bf16(row[q_n + i]);
           vd[i] = f32_to_bf16(row[q_n + kv_n + i]);
         }
-        if (kv.q8k) {  // the draft copy of the rows just written
-          for (int kv_index = 0; kv_index < 2; ++kv_index) {
+        if (kv.q8k) {  // the draft copy of the rows just written (INT4 K: per group, kv_k4_finalize)
+          for (int kv_index = kv.k_bits == 4 ? 1 : 0; kv_index < 2; ++kv_index) {
             const uint16_t* src = kv_index ? vd : kd;
             if (kv_index == 1 && kv.v_bits == 4)
               kv_q4_quantize(src, kv_n, hd_, reinterpret_cast<uint8_t*>(kv.q8_row(l, kv_index, pos)),
@@ -566,7 +557,11 @@ void bind_model(py::module_& m) {
             pool.max_seq = kv.shape(2);
             pool.kv_heads = kv.shape(3);
             pool.head_dim = kv.shape(4);
-            if (kv_q8) kv_set_copy(pool, *kv_q8, "kv_q8");  // the draft copy
+            if (kv_q8) {  // the draft copy
+              kv_set_copy(pool, *kv_q8, "kv_q8");
+              if (pool.k_bits == 4 && page_size != pool.k_group)
+                throw std::invalid_argument("kv_q8's INT4 K groups must be the pages");
+            }
             if (seqs.empty()) throw std::invalid_argument("forward needs at least one sequence");
             // per sequence: (m, start_pos, pages or None, all_logits, tree or None, draft_q8)
             std::vector<SeqPass> passes(seqs.size());
@@ -619,7 +614,7 @@ void bind_model(py::module_& m) {
           "seqs: per sequence (m, start_pos, pages, all_logits, tree, draft_q8) with pages an int32 page "
           "table of the pool kv (page_size rows a page; None: positions are pool rows), tree = (prefix, "
           "parents): its rows are draft-tree nodes at slots start_pos.. (attention.h), draft_q8: its "
-          "attention reads the draft copy kv_q8 = (K values, V values, scales), written with every row. "
+          "attention reads the draft copy kv_q8 (qspec/kv_cache.py), which forward keeps written. "
           "out: the logits, per sequence m rows (all_logits) or its last, in order");
   m.def("silu_mul", [](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
                        const std::string& path) {

@@ -84,8 +84,8 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None,
                    help="stop drafting when the draft's top-1 probability is below this (0..1)")
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
-    g.add_argument("--draft-kv", choices=("auto", "int8", "k8v4", "bf16"), default="auto",
-                   help="what the MX drafts attend over: int8 / k8v4 = a copy of the KV cache with INT8 K and INT8 / INT4 V "
+    g.add_argument("--draft-kv", choices=("auto", "int8", "int4", "bf16"), default="auto",
+                   help="what the MX drafts attend over: int8 / int4 = an INT8 / INT4 copy of the KV cache "
                    "(fewer bytes per draft step at long context), bf16 = the BF16 cache, auto = the int8 copy "
                    "from 1024 tokens on")
     g.add_argument("--draft-window", type=_nonnegative_int, default=None, metavar="N",

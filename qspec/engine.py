@@ -470,9 +470,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     `ctx_size`: tokens of context (prompt + new tokens) per generation, at most the model's
     (default: the model's); the KV cache is allocated for it at load, after checking that it fits in
     the available memory (`qspec.ContextMemoryError` otherwise, before any weight is read).
-    `draft_kv`: what the MX draft levels attend over: "int8" / "k8v4" = a copy of the KV cache with
-    INT8 K and INT8 / INT4 V rows (INT4 in a Walsh-Hadamard-rotated basis; one scale byte per 32
-    values, written with every BF16 row; the target still reads BF16, so the output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the
+    `draft_kv`: what the MX draft levels attend over: "int8" / "int4" = an INT8 / INT4 copy of the
+    KV cache (csrc/kv_q8.h: INT4 V rows in a Walsh-Hadamard-rotated basis, INT4 K per channel over
+    each page of committed rows; kept written by every pass; the target still reads BF16, so the
+    output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the
     qspec.native.DRAFT_KV_AUTO_FORMAT copy, read from qspec.native.DRAFT_KV_AUTO_MIN positions on.
     `draft_window`: N: the MX drafts' passes over that copy attend only the first
     qspec.native.DRAFT_SINKS (64) tokens and the N most recent ones, so drafting stays as cheap at

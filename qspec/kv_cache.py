@@ -6,7 +6,7 @@ float32 for the torch reference), and a sequence's position p lives in pool row
 pages[p // PAGE_SIZE] · PAGE_SIZE + p % PAGE_SIZE (csrc/attention.h, KvCacheView). Target and MX
 drafts share a sequence's pages (docs/architecture.md): the committed prefix is target-written,
 draft passes write provisional rows after it, verify overwrites them; rejection = moving `length`
-back. With `draft_copy` ("int8" or "k8v4"), a compact copy of every row (csrc/kv_q8.h) sits beside
+back. With `draft_copy` ("int8" or "int4"), a compact copy of every row (csrc/kv_q8.h) sits beside
 the pool in the same layout; every native pass writes it with the BF16 row.
 
 Prefix cache: a sequence records which token ids its leading rows hold as target rows (a row
@@ -31,9 +31,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextMemoryError
-from .memory import DRAFT_COPY_BITS, Q8_BLOCK, check_fits
-
-PAGE_SIZE = 16  # positions per page: a multiple of 8 (the kernels' key blocks never straddle pages)
+from .memory import DRAFT_COPY_BITS, PAGE_SIZE, Q8_BLOCK, check_fits, draft_copy_arrays
 
 
 class KVExhausted(Exception):
@@ -59,6 +57,9 @@ class KVPool:
             raise ValueError(f"draft_copy must be None or one of {', '.join(DRAFT_COPY_BITS)}, got {draft_copy!r}")
         if draft_copy and (np.dtype(dtype) != np.uint16 or cfg.head_dim % Q8_BLOCK):
             raise ValueError(f"the draft copy needs BF16 rows and head_dim a multiple of {Q8_BLOCK}")
+        if draft_copy == "int4" and (cfg.head_dim > 512 or 3 * cfg.head_dim % page_size):
+            raise ValueError(f"the INT4 draft copy needs head_dim <= 512 and 3 x head_dim a multiple of the page "
+                             f"size ({page_size})")
         self.draft_copy = draft_copy
         self.cfg = cfg
         self.dtype = np.dtype(dtype)
@@ -67,11 +68,9 @@ class KVPool:
         self.lock = threading.RLock()
         shape = (cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim)
         self.data = np.empty(shape, dtype=self.dtype)
-        # the draft copy (csrc/attention.h KvCacheView::q8k): K values, V values, their scales
-        self.q8 = tuple(np.empty((shape[0], k, 0, *shape[3:4], n), dtype=t) for k, n, t in (
-            (1, cfg.head_dim * DRAFT_COPY_BITS[draft_copy][0] // 8, np.int8),
-            (1, cfg.head_dim * DRAFT_COPY_BITS[draft_copy][1] // 8, np.int8),
-            (2, cfg.head_dim // Q8_BLOCK, np.uint8))) if draft_copy else None
+        # the draft copy (csrc/attention.h KvCacheView::q8k): K values, V values, their scales, flags
+        self.q8 = tuple(np.empty(shape, dtype=t) for shape, t in draft_copy_arrays(cfg, draft_copy, 0, page_size)
+                        ) if draft_copy else None
         self.refs = np.zeros(0, dtype=np.int32)  # sequences holding each page
         self._free: list[int] = []               # pages nobody holds and the index does not list
         # the prefix index: page -> (parent key, ids it holds); parent key -> its pages; and the

@@ -1,16 +1,31 @@
 """Memory of the KV cache for a context size, and the check that it fits before it is allocated.
 
 The BF16 cache holds layers x 2 (K, V) x kv_heads x head_dim values of 2 bytes per position; the
-draft copy (qspec/kv_cache.py, csrc/kv_q8.h) 1 byte per K value, 1 byte ("int8") or half a byte
-("k8v4") per V value, plus one scale byte per 32 values."""
+draft copy (qspec/kv_cache.py, csrc/kv_q8.h) 1 byte ("int8") or half a byte ("int4") per value, one
+scale byte per 32 values (INT4 K: a BF16 center and a scale byte per channel per page of
+PAGE_SIZE positions), and one flag byte per position."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextMemoryError
 
+PAGE_SIZE = 32  # positions per page of the KV cache: a multiple of 8 (the kernels' key blocks never
+# straddle pages), and the INT4 K copy's group (csrc/kv_q8.h: 3 bytes per channel per page)
 Q8_BLOCK = 32  # values per scale byte of the draft copy (csrc/kv_q8.h)
-DRAFT_COPY_BITS = {"int8": (8, 8), "k8v4": (8, 4)}  # bits per K value and per V value of each draft copy
+DRAFT_COPY_BITS = {"int8": 8, "int4": 4}  # bits per value of each draft copy
+
+
+def draft_copy_arrays(cfg: ModelConfig, fmt: str, rows: int, page_size: int = PAGE_SIZE):
+    """The arrays of the draft copy `fmt` over `rows` pool rows, as (shape, dtype): K values, V
+    values, K scales, V scales, flags (csrc/attention.h KvCacheView::q8k)."""
+    layers, kvh, hd, bits = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, DRAFT_COPY_BITS[fmt]
+    k_scales = hd // Q8_BLOCK if bits == 8 else 3 * hd // page_size
+    return [((layers, 1, rows, kvh, hd * bits // 8), np.int8), ((layers, 1, rows, kvh, hd * bits // 8), np.int8),
+            ((layers, 1, rows, kvh, k_scales), np.uint8), ((layers, 1, rows, kvh, hd // Q8_BLOCK), np.uint8),
+            ((1, 1, rows, 1, 1), np.uint8)]
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
@@ -19,9 +34,8 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
 
 
 def draft_kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> int:
-    """Bytes of one position of the draft copy `fmt`: its values + one scale byte per Q8_BLOCK."""
-    values = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # of K, and of V
-    return values * sum(DRAFT_COPY_BITS[fmt]) // 8 + 2 * values // Q8_BLOCK
+    """Bytes of one position of the draft copy `fmt` (values, scales, flag; pages of PAGE_SIZE)."""
+    return sum(int(np.prod(shape)) for shape, _ in draft_copy_arrays(cfg, fmt, 1))
 
 
 def available_bytes() -> int | None:

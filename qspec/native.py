@@ -24,11 +24,11 @@ from .rope import rope_tables
 
 TARGET, DRAFT = 0, 1
 
-# The MX drafts' KV (qspec/kv_cache.py): "int8" / "k8v4" = they read that copy of the cache (INT8 K;
-# INT8 / INT4 V), "bf16" = the BF16 rows (no copy kept), "auto" = the DRAFT_KV_AUTO_FORMAT copy is
+# The MX drafts' KV (qspec/kv_cache.py): "int8" / "int4" = they read that copy of the cache
+# (csrc/kv_q8.h), "bf16" = the BF16 rows (no copy kept), "auto" = the DRAFT_KV_AUTO_FORMAT copy is
 # kept and read by draft passes from DRAFT_KV_AUTO_MIN positions on, where reading fewer bytes pays
 # (README, "Long prompts").
-DRAFT_KV_MODES = ("auto", "int8", "k8v4", "bf16")
+DRAFT_KV_MODES = ("auto", "int8", "int4", "bf16")
 # INT8: at 8k tokens the MXFP4 copy (4-bit K and V) cut the 1.5B's acceptance at K = 4 from 0.88
 # (BF16 rows) to 0.54 and its speedup to 1.40x; the INT8 copy kept 0.65 and gave 1.59x (README,
 # "Long prompts"), for 51.6% of the BF16 cache's bytes instead of 26.6%.
@@ -55,12 +55,12 @@ def check_draft_window(draft_window, copy: str | None) -> int:
     if isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 0:
         raise ValueError(f"draft_window must be an integer >= 0, got {draft_window!r}")
     if draft_window and copy is None:
-        raise ValueError("a draft window needs a draft KV copy (an MX draft with draft KV int8, k8v4 or auto)")
+        raise ValueError("a draft window needs a draft KV copy (an MX draft with draft KV int8, int4 or auto)")
     return draft_window
 
 
 def draft_copy_format(cfg: ModelConfig, draft_kv: str, draft) -> str | None:
-    """The draft copy the KV cache keeps ("int8", "k8v4"), or None: none without a draft, for
+    """The draft copy the KV cache keeps ("int8", "int4"), or None: none without a draft, for
     draft_kv "bf16", or with head_dim not a multiple of 32 (then the drafts read the BF16 rows)."""
     if draft_kv not in DRAFT_KV_MODES:
         raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")

@@ -97,7 +97,7 @@ def test_chunked_prefill_and_preemption_keep_the_output(default_model_dir):
     eng = qspec.load(default_model_dir, draft="mxfp4")
     ps = prompts(eng, 6)
     want = [eng.generate(p, max_new_tokens=N_NEW).tokens for p in ps]
-    pool = KVPool(eng.backend.pool.cfg, draft_copy=eng.backend.pool.draft_copy, max_pages=12)
+    pool = KVPool(eng.backend.pool.cfg, draft_copy=eng.backend.pool.draft_copy, max_pages=6)  # 192 positions
     eng.backend.pool = pool
     eng.batcher = Batcher(eng.backend, max_seqs=6, min_free_pages=0)
     got = eng.generate_batch(ps, max_new_tokens=N_NEW)
@@ -157,9 +157,10 @@ def test_a_closed_generation_frees_its_pages_at_once(eng):
 
 def test_pool_budget_too_small_for_one_sequence(default_model_dir):
     eng = qspec.load(default_model_dir, draft=None)
-    eng.backend.pool.max_pages = 2
-    with pytest.raises(qspec.ContextMemoryError, match="KV cache's budget of 32 tokens"):
-        eng.generate(list(range(1, 40)), max_new_tokens=4)
+    pool = eng.backend.pool
+    pool.max_pages = 1
+    with pytest.raises(qspec.ContextMemoryError, match=f"KV cache's budget of {pool.page_size} tokens"):
+        eng.generate(list(range(1, pool.page_size + 8)), max_new_tokens=4)
     assert not eng.batcher.live
 
 

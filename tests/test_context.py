@@ -31,9 +31,11 @@ def test_bytes_per_token_of_the_1_5b():
     # the issue's figure: 28 layers x 2 KV heads x 128 x 2 (K, V) x 2 bytes = 28 KiB per token
     cfg = synthetic_config("smollm2-135m", n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128)
     assert kv_bytes_per_token(cfg) == 28 * 1024
-    assert draft_kv_bytes_per_token(cfg, "int8") == 14 * 1024 + 14 * 1024 // 32
-    assert draft_kv_bytes_per_token(cfg, "k8v4") == 7 * 1024 * 3 // 2 + 14 * 1024 // 32  # 39.1% of BF16
-    assert cache_bytes(cfg, 8192, "int8") == 8192 * (28 * 1024 + 14 * 1024 * 33 // 32)
+    assert draft_kv_bytes_per_token(cfg, "int8") == 14 * 1024 + 14 * 1024 // 32 + 1  # + a flag byte
+    # INT4: half a byte a value, V a scale byte per 32, K a BF16 center and a scale byte per channel
+    # per 32-position page: 28.1% of BF16
+    assert draft_kv_bytes_per_token(cfg, "int4") == 14 * 1024 // 2 + 7 * 1024 // 32 * 4 + 1
+    assert cache_bytes(cfg, 8192, "int8") == 8192 * (28 * 1024 + 14 * 1024 * 33 // 32 + 1)
 
 
 def test_ctx_size_sizes_the_cache_and_limits_prompts(tiny):
@@ -66,7 +68,7 @@ def test_memory_checked_before_any_weight_is_read(tiny, monkeypatch):
 
 def test_cache_growth_checked_before_allocation(monkeypatch):
     cfg = synthetic_config("smollm2-135m", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32)
-    pool = KVPool(cfg)
+    pool = KVPool(cfg, page_size=16)
     kv = KVCache(pool)
     monkeypatch.setattr("qspec.memory.available_bytes", lambda: 100 * pool.bytes_per_position)
     kv.ensure_capacity(96)  # doubling to 16 pages does not fit: just the 6 pages needed
@@ -80,7 +82,7 @@ def test_cache_does_not_grow_while_free_pages_hold_the_rows():
     """A reserved pool (ctx_size) or one with pages given back serves a long prompt from its
     free pages: no growth, no copy of the cache (it doubled on every multi-page request)."""
     cfg = synthetic_config("smollm2-135m", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32)
-    pool = KVPool(cfg)
+    pool = KVPool(cfg, page_size=16)
     pool.reserve(1024)
     kv = KVCache(pool)
     data = pool.data

@@ -1,5 +1,5 @@
-"""The draft copies of the KV cache, "int8" (INT8 K and V) and "k8v4" (INT8 K, rotated INT4 V)
-(csrc/kv_q8.h, csrc/x86/attention_q8_impl.h, qspec/kv_cache.py).
+"""The draft copies of the KV cache, "int8" and "int4" (rotated INT4 V rows, INT4 K per channel over
+each page of committed rows) (csrc/kv_q8.h, csrc/x86/attention_q8_impl.h, qspec/kv_cache.py).
 
 - Each quantizer equals an independent numpy implementation of its rule, bit for bit (INT4: the
   fixed-order Walsh-Hadamard rotation in FP32, the UE5M3 scale, the nibble packing), and stays
@@ -27,8 +27,8 @@ ISA_LEVELS = _C.cpu_info()["isa_levels"]
 TOL_F32_VS_F64 = dict(rtol=1e-4, atol=3e-5)
 # dequantization error of one value: half a step, 2^s / 2 <= max|block| / 127
 Q8_REL_STEP = 1 / 127
-FORMATS = ["int8", "k8v4"]
-V_QUANTIZE = {"int8": _C.kv_q8_quantize, "k8v4": _C.kv_q4_quantize}
+FORMATS = ["int8", "int4"]
+GROUP = 32  # the INT4 K copy's group in the kernel tests (the pool's page size in the model)
 
 
 def bf16(x):
@@ -105,17 +105,48 @@ def quantize_q4_np(bits):
     return packed, e.reshape(*bits.shape[:-1], hd // 32)
 
 
-def quantize_copy(kv, fmt):
-    """The draft copy `fmt` of BF16 rows [layers, 2, rows, kv_heads, head_dim]: (K values, V
-    values, scales), as qspec/kv_cache.py holds it."""
-    qk, ek = _C.kv_q8_quantize(np.ascontiguousarray(kv[:, :1]))
-    qv, ev = V_QUANTIZE[fmt](np.ascontiguousarray(kv[:, 1:]))
-    return qk, qv, np.concatenate([ek, ev], axis=1)
+def quantize_copy(kv, fmt, final=None):
+    """The draft copy `fmt` of BF16 rows [layers, 2, rows, kv_heads, head_dim] as qspec/kv_cache.py
+    holds it: (K values, V values, K scales, V scales, flags). INT4: the K groups of GROUP rows
+    below row `final` (default: all but the last whole group) are written and flagged."""
+    layers, _, rows, kvh, hd = kv.shape
+    flags = np.zeros((1, 1, rows, 1, 1), np.uint8)
+    if fmt == "int8":
+        (qk, ek), (qv, ev) = (_C.kv_q8_quantize(np.ascontiguousarray(kv[:, i:i + 1])) for i in (0, 1))
+        return qk, qv, ek, ev, flags
+    qv, ev = _C.kv_q4_quantize(np.ascontiguousarray(kv[:, 1:]))
+    qk = np.zeros((layers, 1, rows, kvh, hd // 2), np.int8)
+    ek = np.zeros((layers, 1, rows, kvh, 3 * hd // GROUP), np.uint8)
+    final = (rows // GROUP - 1) * GROUP if final is None else final
+    for g0 in range(0, final - GROUP + 1, GROUP):
+        x = np.ascontiguousarray(kv[:, 0, g0:g0 + GROUP]).reshape(layers, GROUP, kvh * hd)
+        packed, params = _C.kv_k4_group(x, hd)
+        qk[:, 0, g0:g0 + GROUP] = packed.reshape(layers, GROUP, kvh, hd // 2)
+        ek[:, 0, g0:g0 + GROUP] = params.reshape(layers, GROUP, kvh, -1)  # the group's bytes, row by row
+        flags[0, 0, g0] = 1
+    return qk, qv, ek, ev, flags
 
 
-def dequant_copy(qk, qv, e):
-    """The values of a copy (quantize_copy's form) [layers, 2, rows, kv_heads, head_dim]."""
-    return np.concatenate([dequant(qk, e[:, :1]), dequant(qv, e[:, 1:])], axis=1)
+def dequant_k4(qk, ek, flags, kv_k):
+    """Values of an INT4 K copy [layers, 1, rows, kvh, hd] (float64): a flagged group's center +
+    q * scale, the BF16 rows kv_k elsewhere."""
+    layers, _, rows, kvh, hd2 = qk.shape
+    hd = 2 * hd2
+    out = f32(kv_k).astype(np.float64)
+    for g0 in np.flatnonzero(flags[0, 0, :, 0, 0]):
+        params = ek[:, 0, g0:g0 + GROUP].reshape(layers, kvh, 3 * hd)
+        center = f32(params[..., 0:2 * hd:2].astype(np.uint16) | params[..., 1:2 * hd:2].astype(np.uint16) << 8)
+        scale = q4_scale(params[..., 2 * hd:])
+        b = qk[:, 0, g0:g0 + GROUP].view(np.uint8).astype(np.int64)
+        nib = np.stack([b & 15, b >> 4], axis=-1).reshape(layers, GROUP, kvh, hd)
+        out[:, 0, g0:g0 + GROUP] = center[:, None] + (nib - ((nib & 8) << 1)) * scale[:, None]
+    return out
+
+
+def dequant_copy(kv, qk, qv, ek, ev, flags):
+    """The values the drafts attend over [layers, 2, rows, kv_heads, head_dim] (float64)."""
+    k = dequant(qk, ek) if qk.shape == kv[:, :1].shape else dequant_k4(qk, ek, flags, kv[:, :1])
+    return np.concatenate([k, dequant(qv, ev)], axis=1)
 
 
 def dequant(q, e):
@@ -177,10 +208,13 @@ def test_q4_quantizer_matches_its_rule(hd):
     assert (err <= bound * (1 + 1e-6) + 1e-30).all()
 
 
-def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8"):
+def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8", final=None):
+    """Random BF16 rows (max_seq rounded up to GROUP) and their copy `fmt`."""
     rng = np.random.default_rng(seed)
-    kv = bf16(rng.standard_normal((2, 2, max_seq, kv_heads, head_dim)) * 1.5)
-    return kv, quantize_copy(kv, fmt)
+    x = rng.standard_normal((2, 2, -(-max_seq // GROUP) * GROUP, kv_heads, head_dim)) * 1.5
+    x[:, 0, ..., 3] += 40.0  # a K channel far from zero, as real models have
+    kv = bf16(x)
+    return kv, quantize_copy(kv, fmt, final)
 
 
 def attention_f64(q, vals, layer, start_pos, window=0, sinks=0):
@@ -211,7 +245,7 @@ def test_kernel_against_f64(path, shape, start_pos, m, fmt):
     kv, q8 = make_cache(start_pos + m + 3, kv_heads, hd, fmt=fmt)
     q = np.random.default_rng(1).standard_normal((m, n_heads, hd)).astype(np.float32)
     got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8)
-    np.testing.assert_allclose(got, attention_f64(q, dequant_copy(*q8), 1, start_pos), **TOL_F32_VS_F64)
+    np.testing.assert_allclose(got, attention_f64(q, dequant_copy(kv, *q8), 1, start_pos), **TOL_F32_VS_F64)
     bf = _C.attention(q, kv, 1, start_pos, path=path)
     assert not np.array_equal(got, bf)  # it reads the copy, not the BF16 rows
 
@@ -226,7 +260,7 @@ def test_window_and_sinks_against_f64(path, window, sinks, start_pos, m, fmt):
     kv, q8 = make_cache(start_pos + m + 3, 2, 64, seed=6, fmt=fmt)
     q = np.random.default_rng(7).standard_normal((m, 6, 64)).astype(np.float32)
     got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8, window=window, sinks=sinks)
-    want = attention_f64(q, dequant_copy(*q8), 1, start_pos, window, sinks)
+    want = attention_f64(q, dequant_copy(kv, *q8), 1, start_pos, window, sinks)
     np.testing.assert_allclose(got, want, **TOL_F32_VS_F64)
     for i in (0, m - 1):  # a row alone: the same bits
         one = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, q8=q8, window=window, sinks=sinks)
@@ -270,7 +304,7 @@ def test_tree_rows_equal_linear_path(path, prefix, fmt):
     rng = np.random.default_rng(4)
     parents = [-1, prefix, prefix, prefix + 1, prefix + 3, prefix + 2]
     m = len(parents)
-    kv, q8 = make_cache(prefix + m + 8, 2, 64, seed=5, fmt=fmt)
+    kv, q8 = make_cache(prefix + m + 8, 2, 64, seed=5, fmt=fmt, final=prefix // GROUP * GROUP)
     q = rng.standard_normal((m, 4, 64)).astype(np.float32)
     got = _C.attention(q, kv, 0, prefix, path=path, tree=(prefix, parents), q8=q8)
     for i in range(m):
@@ -280,7 +314,7 @@ def test_tree_rows_equal_linear_path(path, prefix, fmt):
             s = parents[s - prefix]
         lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
         for j, slot in enumerate(path_slots):
-            for a, b in zip((lin_kv, *lin_q8), (kv, *q8)):
+            for a, b in zip((lin_kv, *lin_q8[:4]), (kv, *q8[:4])):  # rows; the K groups' flags stay
                 a[:, :, prefix + j] = b[:, :, slot]
         pos = prefix + len(path_slots) - 1
         lin = _C.attention(q[i:i + 1], lin_kv, 0, pos, path=path, q8=lin_q8)
@@ -288,10 +322,11 @@ def test_tree_rows_equal_linear_path(path, prefix, fmt):
 
 
 def test_kernel_argument_errors():
-    kv, (qk, qv, qs) = make_cache(16, 2, 64, fmt="k8v4")
+    kv, (qk, qv, ek, ev, fl) = make_cache(64, 2, 64, fmt="int4")
     q = np.zeros((1, 4, 64), np.float32)
-    for bad in [(qk[:, :, :8], qv, qs), (qk.astype(np.uint8), qv, qs), (qk, qv, qs[..., :1]), (qk, qv),
-                (qk, qv[..., :8], qs), (qv, qk, qs), (qk, qv, qs[:, :1]), (qk, qv, qs.astype(np.int8))]:
+    for bad in [(qk[:, :, :8], qv, ek, ev, fl), (qk.astype(np.uint8), qv, ek, ev, fl), (qk, qv, ek[..., :5], ev, fl),
+                (qk, qv, ek, ev), (qk, qv[..., :8], ek, ev, fl), (qk, qv, ek, ev[..., :1], fl),
+                (qk, qv, ek.astype(np.int8), ev, fl), (qk, qv, ek, ev, fl[..., :0]), (qk, qv, ek[:, :, :32], ev, fl)]:
         with pytest.raises(ValueError, match="q8"):
             _C.attention(q, kv, 0, 3, q8=bad)
 
@@ -306,20 +341,35 @@ def model_dir(tmp_path_factory):
 
 
 def copy_matches(kv, n):
+    """The copy of positions 0..n-1 is what its rules give from the BF16 rows: every V (and INT8 K)
+    row; INT4 K: the written groups, a prefix of the sequence's pages that ends at most two pages
+    before n (a target pass writes the groups below its first position)."""
+    assert kv.pool.page_size == GROUP
     rows = kv.rows(0, n)  # the pool rows of the sequence's positions 0..n-1
-    want = quantize_copy(kv.data[:, :, rows], kv.pool.draft_copy)
-    return all(np.array_equal(w, a[:, :, rows]) for w, a in zip(want, kv.q8))
+    got = [a[:, :, rows] for a in kv.q8]
+    if kv.pool.draft_copy == "int8":
+        want = quantize_copy(kv.data[:, :, rows], "int8")
+        return all(np.array_equal(w, a) for w, a in zip(want[:4], got[:4]))
+    flags = got[4][0, 0, 0:n // GROUP * GROUP:GROUP, 0, 0]
+    final = int(np.argmin(np.append(flags, 0)))  # leading written groups
+    want = quantize_copy(kv.data[:, :, rows], "int4", final=final * GROUP)
+    k_rows = slice(0, final * GROUP)
+    return (not flags[final:].any() and final >= n // GROUP - 2 and
+            all(np.array_equal(want[i], got[i]) for i in (1, 3)) and
+            all(np.array_equal(want[i][:, :, k_rows], got[i][:, :, k_rows]) for i in (0, 2)))
 
 
 def test_memory_figure(model_dir):
     eng = qspec.load(model_dir, draft="mxfp4", draft_kv="int8")
     kv = eng.backend.kv
     bf16_bytes = 2 * 2 * 2 * 32 * 2  # layers x (K, V) x kv_heads x head_dim x 2 bytes
-    assert kv.bytes_per_position == bf16_bytes * (1 + 33 / 64)  # the copy: 51.6% of the BF16 cache
+    # the copy: values, a scale byte per 32, a flag byte: 51.8% of the BF16 cache
+    assert kv.bytes_per_position == bf16_bytes + 2 * 2 * 2 * 33 + 1
     assert "INT8 draft copy (52% of the BF16 cache)" in eng.memory(1000)
-    eng = qspec.load(model_dir, draft="mxfp4", draft_kv="k8v4")
-    assert eng.backend.kv.bytes_per_position == bf16_bytes * (1 + 25 / 64)  # 39.1%
-    assert "K8V4 draft copy (39% of the BF16 cache)" in eng.memory(1000)
+    eng = qspec.load(model_dir, draft="mxfp4", draft_kv="int4")
+    # half bytes, V a scale byte per 32, K 3 bytes per channel per 32-position page: 28.3%
+    assert eng.backend.kv.bytes_per_position == bf16_bytes + 2 * 2 * (16 + 16 + 3 + 1) + 1
+    assert "INT4 draft copy (28% of the BF16 cache)" in eng.memory(1000)
     assert qspec.load(model_dir, draft="mxfp4", draft_kv="bf16").backend.kv.q8 is None
     assert qspec.load(model_dir, draft=None).backend.kv.q8 is None
     with pytest.raises(ValueError, match="draft_kv"):
@@ -335,6 +385,7 @@ def test_drafts_read_the_copy_target_does_not(model_dir, fmt):
         be.kv.ensure_capacity(400)
     np.testing.assert_array_equal(a.forward(ids, 0, all_logits=True), b.forward(ids, 0, all_logits=True))
     np.testing.assert_array_equal(a.kv.data[:, :, :300], b.kv.data[:, :, :300])
+    a.forward(ids[-4:], 296)  # a target pass from 296: the K groups below 288 are committed
     assert copy_matches(a.kv, 300)
     da, db = a.forward(ids[-4:], 296, draft=True, all_logits=True), b.forward(ids[-4:], 296, draft=True, all_logits=True)
     assert not np.array_equal(da, db)
@@ -381,7 +432,7 @@ def test_draft_kv_changed_after_load(model_dir):
     # load's copy in every mode)
     from qspec.native import DRAFT_KV_AUTO_FORMAT
 
-    other = "k8v4" if DRAFT_KV_AUTO_FORMAT == "int8" else "int8"
+    other = "int4" if DRAFT_KV_AUTO_FORMAT == "int8" else "int8"
     be = qspec.load(model_dir, draft="mxfp4").backend  # draft_kv="auto": the DRAFT_KV_AUTO_FORMAT copy
     be.draft_kv = "bf16"
     assert not be.reads_draft_copy(True, 10**6)
@@ -391,7 +442,7 @@ def test_draft_kv_changed_after_load(model_dir):
     be.draft_kv = DRAFT_KV_AUTO_FORMAT
     assert be.reads_draft_copy(True, 0)
     with pytest.raises(ValueError):
-        be.draft_kv = "int4"  # no such mode
+        be.draft_kv = "k8v4"  # no such mode
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -30,6 +30,7 @@
 #include <cstring>
 
 #include "attention.h"
+#include "bf16.h"
 #include "vec_avx2.h"
 
 namespace qspec {
@@ -86,12 +87,44 @@ inline __m256 int4x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_srai_epi32(c, 28));
 }
 
+// One key's INT4 K row of its group (kv_q8.h, kv_k4_group): center + q · scale per column, with
+// the group's centers and scales of this head in cen / scl (FP32).
+template <class T>
+inline void k4_row(const int8_t* q, const float* cen, const float* scl, int64_t hd, float* dst) {
+  for (int64_t c = 0; c < hd; c += 8)
+    _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(int4x8(q + c / 2), _mm256_loadu_ps(scl + c), _mm256_loadu_ps(cen + c)));
+}
+
 template <class T>
 void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64_t j0, int64_t nk,
                 int64_t nfill, float* dst) {
   const int64_t hd = a.kv.head_dim;
+  const bool k4 = kv_index == 0 && a.kv.k_bits == 4;
+  alignas(64) float cen[512], scl[512];  // k4: the current group's params (head_dim <= 512)
+  int64_t cur = -1;
   for (int64_t t = 0; t < nk; ++t) {
     const int64_t slot = attn_key_slot(a, row, j0 + t);
+    if (k4) {
+      const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
+      if (!a.kv.k_final[g]) {  // the group's copy is not written yet: the BF16 row
+        const uint16_t* k = a.kv.k(a.layer, slot) + kvh * hd;
+        for (int64_t c = 0; c < hd; c += 8) {
+          const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + c)));
+          _mm256_storeu_ps(dst + t * hd + c, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+        continue;
+      }
+      if (g != cur) {
+        cur = g;
+        const uint8_t* ph = a.kv.k_group_params(a.layer, g) + kvh * 3 * hd;
+        for (int64_t c = 0; c < hd; ++c) {
+          cen[c] = bf16_to_f32(uint16_t(ph[2 * c] | ph[2 * c + 1] << 8));
+          scl[c] = kv_q4_scale(ph[2 * hd + c]);
+        }
+      }
+      k4_row<T>(a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2, cen, scl, hd, dst + t * hd);
+      continue;
+    }
     const uint8_t* e = a.kv.q8_scales(a.layer, kv_index, slot) + kvh * (hd / kQ8Block);
     if (kv_index == 1 && a.kv.v_bits == 4) {
       const int8_t* q = a.kv.q8_row(a.layer, kv_index, slot) + kvh * hd / 2;
