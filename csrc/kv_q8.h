@@ -91,7 +91,7 @@ inline void kv_unrotate(float* x, int64_t n, int64_t p) {
 inline float kv_q4_scale(uint8_t e) {
   if (e == 0) return 0.f;
   if (e == 0xFF) return __builtin_nanf("");
-  const uint32_t u = (uint32_t(e >> 3) + 111) << 23 | uint32_t(e & 7) << 20;
+  const uint32_t u = (uint32_t(e) << 20) + (111u << 23);  // exponent field (e >> 3) + 111, mantissa e & 7
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;

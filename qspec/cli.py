@@ -86,7 +86,7 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-file", help="a `qspec quantize` file to use instead of casting at load")
     g.add_argument("--draft-kv", choices=("auto", "int8", "int4", "bf16"), default="auto",
                    help="what the MX drafts attend over: int8 / int4 = an INT8 / INT4 copy of the KV cache "
-                   "(fewer bytes per draft step at long context), bf16 = the BF16 cache, auto = the int8 copy "
+                   "(fewer bytes per draft step at long context), bf16 = the BF16 cache, auto = the int4 copy "
                    "from 1024 tokens on")
     g.add_argument("--draft-window", type=_nonnegative_int, default=None, metavar="N",
                    help="the MX drafts attend only the first 64 tokens and the N most recent ones (over the draft "

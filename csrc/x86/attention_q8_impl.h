@@ -48,6 +48,7 @@ struct Lanes8 {
   static V i8(const int8_t* p) {  // 8 int8 -> 8 FP32 (exact)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  static V i4(const int8_t* p);  // 8 INT4 (4 bytes, element 2i in the low nibble of byte i) -> FP32 (exact)
   static __m256 fold(V v) { return v; }
 };
 
@@ -64,6 +65,12 @@ struct Lanes16 {
   static V i8(const int8_t* p) {  // 16 int8 -> 16 FP32 (exact)
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static V i4(const int8_t* p) {  // 16 INT4 (8 bytes) -> 16 FP32 (exact): each byte twice, then its nibbles
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+    const __m512i sh = _mm512_set_epi32(24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28);
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(d, sh), 28));
+  }
   static __m256 fold(V v) {  // lane l + lane l + 8
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   }
@@ -77,22 +84,30 @@ inline __m128 q8_tree4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 inline int64_t q8_round8(int64_t x) { return (x + 7) & ~int64_t(7); }
 
-// Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
-// K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
-// 8 INT4 values (4 bytes, element 2i in the low nibble of byte i) -> 8 FP32 values (exact).
-inline __m256 int4x8(const int8_t* p) {
+inline __m256 Lanes8::i4(const int8_t* p) {
   int32_t w;
   std::memcpy(&w, p, 4);
   const __m256i c = _mm256_sllv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
   return _mm256_cvtepi32_ps(_mm256_srai_epi32(c, 28));
 }
 
+// kv_q4_scale of 8 scale bytes: the value's bits are (e << 20) + (111 << 23) for e in [1, 254].
+inline __m256 q4_scales8(const uint8_t* e) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e)));
+  const __m256i bits = _mm256_add_epi32(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(111 << 23));
+  const __m256i zero = _mm256_cmpeq_epi32(v, _mm256_setzero_si256());
+  const __m256i nan = _mm256_cmpeq_epi32(v, _mm256_set1_epi32(0xFF));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_andnot_si256(zero, bits), _mm256_set1_epi32(0x7FC00000), nan));
+}
+
+// Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
+// K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
+
 // One key's INT4 K row of its group (kv_q8.h, kv_k4_group): center + q · scale per column, with
 // the group's centers and scales of this head in cen / scl (FP32).
 template <class T>
 inline void k4_row(const int8_t* q, const float* cen, const float* scl, int64_t hd, float* dst) {
-  for (int64_t c = 0; c < hd; c += 8)
-    _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(int4x8(q + c / 2), _mm256_loadu_ps(scl + c), _mm256_loadu_ps(cen + c)));
+  for (int64_t c = 0; c < hd; c += T::W) T::store(dst + c, T::fma(T::i4(q + c / 2), T::load(scl + c), T::load(cen + c)));
 }
 
 template <class T>
@@ -117,9 +132,10 @@ void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64
       if (g != cur) {
         cur = g;
         const uint8_t* ph = a.kv.k_group_params(a.layer, g) + kvh * 3 * hd;
-        for (int64_t c = 0; c < hd; ++c) {
-          cen[c] = bf16_to_f32(uint16_t(ph[2 * c] | ph[2 * c + 1] << 8));
-          scl[c] = kv_q4_scale(ph[2 * hd + c]);
+        for (int64_t c = 0; c < hd; c += 8) {
+          const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ph + 2 * c)));
+          _mm256_storeu_ps(cen + c, _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+          _mm256_storeu_ps(scl + c, q4_scales8(ph + 2 * hd + c));
         }
       }
       k4_row<T>(a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2, cen, scl, hd, dst + t * hd);
@@ -129,9 +145,8 @@ void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64
     if (kv_index == 1 && a.kv.v_bits == 4) {
       const int8_t* q = a.kv.q8_row(a.layer, kv_index, slot) + kvh * hd / 2;
       for (int64_t b = 0; b < hd; b += kQ8Block) {
-        const __m256 s = _mm256_set1_ps(kv_q4_scale(e[b / kQ8Block]));
-        for (int64_t c = 0; c < kQ8Block; c += 8)
-          _mm256_storeu_ps(dst + t * hd + b + c, _mm256_mul_ps(int4x8(q + (b + c) / 2), s));
+        const typename T::V s = T::set1(kv_q4_scale(e[b / kQ8Block]));
+        for (int64_t c = 0; c < kQ8Block; c += T::W) T::store(dst + t * hd + b + c, T::mul(T::i4(q + (b + c) / 2), s));
       }
       continue;
     }
