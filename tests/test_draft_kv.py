@@ -208,6 +208,55 @@ def test_q4_quantizer_matches_its_rule(hd):
     assert (err <= bound * (1 + 1e-6) + 1e-30).all()
 
 
+def k4_group_np(bits, hd):
+    """The INT4 K group rule of csrc/kv_q8.h in numpy: bits [g, n] -> (packed [g, n / 2], params [3 n])."""
+    g, n = bits.shape
+    x = f32(bits)
+    finite = np.isfinite(x).all(axis=0)
+    xs = np.where(np.isfinite(x), x, 0).astype(np.float32)
+    lo, hi = xs.min(axis=0), xs.max(axis=0)
+    center = np.where(finite, bf16(lo * np.float32(0.5) + hi * np.float32(0.5)), 0).astype(np.uint16)
+    cf = f32(center)
+    r = np.where(finite, np.maximum(hi - cf, cf - lo), 0).astype(np.float32)
+    table = q4_scale(np.arange(256)).astype(np.float32)
+    e = np.minimum(np.searchsorted(table[1:255], r / np.float32(7), side="left") + 1, 254)
+    e = np.where(finite, np.where(r > 0, e, 0), 255).astype(np.uint8)
+    s = table[e]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.where(finite & (e > 0), np.clip(np.rint((xs - cf) / s), -7, 7), 0).astype(np.int64) & 15
+    packed = (q[:, 0::2] | q[:, 1::2] << 4).astype(np.uint8).view(np.int8)
+    params = np.concatenate([np.stack([center & 0xFF, center >> 8], axis=-1).reshape(n // hd, 2 * hd),
+                             e.reshape(n // hd, hd)], axis=1).astype(np.uint8).reshape(-1)
+    return packed, params
+
+
+@pytest.mark.parametrize("hd", [32, 64, 128])
+def test_k4_group_matches_its_rule(hd):
+    rng = np.random.default_rng(hd)
+    x = rng.standard_normal((5, 32, 2 * hd)) * np.exp2(rng.integers(-20, 12, (5, 1, 2 * hd)))
+    x[0, :, 3] += 300.0  # a channel far from zero: its center carries it
+    x[1, :, 5] = 2.5  # a constant channel: scale byte 0, every value its center
+    x[2, 7, 9] = np.nan
+    x[3, 1, 2 * hd - 1] = -np.inf
+    bits = bf16(x)
+    packed, params = _C.kv_k4_group(bits, hd)
+    assert packed.shape == (5, 32, hd) and params.shape == (5, 6 * hd)
+    for b in range(5):
+        want = k4_group_np(bits[b], hd)
+        np.testing.assert_array_equal(packed[b], want[0])
+        np.testing.assert_array_equal(params[b], want[1])
+    assert params[1, 2 * hd + 5] == 0 and params[2, 2 * hd + 9] == 255 and params[3, 3 * hd + 2 * hd + hd - 1] == 255
+    # within half a step of each value (finite channels)
+    scale = q4_scale(params[0].reshape(2, 3 * hd)[:, 2 * hd:].reshape(-1))
+    kv = bits[0][None, None, :, None, :].reshape(1, 1, 32, 2, hd)
+    flags = np.zeros((1, 1, 32, 1, 1), np.uint8)
+    flags[0, 0, 0] = 1  # the group's first row
+    got = dequant_k4(packed[0].reshape(1, 1, 32, 2, hd // 2), params[0].reshape(1, 1, 32, 2, -1), flags, kv)
+    err = np.abs(got - f32(kv)).reshape(32, 2 * hd)
+    assert (err <= scale / 2 * (1 + 1e-6)).all()
+    assert np.abs(got.reshape(32, 2 * hd)[:, 3] - f32(bits[0][:, 3])).max() < 0.1 * 300  # not crushed
+
+
 def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8", final=None):
     """Random BF16 rows (max_seq rounded up to GROUP) and their copy `fmt`."""
     rng = np.random.default_rng(seed)
