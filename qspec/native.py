@@ -62,12 +62,15 @@ def check_draft_window(draft_window, copy: str | None) -> int:
 
 def draft_copy_format(cfg: ModelConfig, draft_kv: str, draft) -> str | None:
     """The draft copy the KV cache keeps ("int8", "int4"), or None: none without a draft, for
-    draft_kv "bf16", or with head_dim not a multiple of 32 (then the drafts read the BF16 rows)."""
+    draft_kv "bf16", or with head_dim not a multiple of 32 (then the drafts read the BF16 rows).
+    "auto" keeps the INT8 copy where the INT4 one cannot hold the heads (head_dim > 512)."""
     if draft_kv not in DRAFT_KV_MODES:
         raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
     if draft is None or draft_kv == "bf16" or cfg.head_dim % 32:
         return None
-    return DRAFT_KV_AUTO_FORMAT if draft_kv == "auto" else draft_kv
+    if draft_kv == "auto":
+        return "int8" if DRAFT_KV_AUTO_FORMAT == "int4" and cfg.head_dim > 512 else DRAFT_KV_AUTO_FORMAT
+    return draft_kv
 
 
 def check_tree(tree, start_pos: int, m: int) -> np.ndarray:

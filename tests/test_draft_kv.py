@@ -549,3 +549,16 @@ def test_bad_draft_window(model_dir):
     assert be.draft_window == DEFAULT_DRAFT_WINDOW
     for kw in (dict(draft_kv="bf16"), dict(draft=None)):  # the default without a copy: none
         assert qspec.load(model_dir, **{"draft": "mxfp4", **kw}).backend.draft_window == 0
+
+
+def test_copy_format_by_head_dim():
+    from qspec.kv_cache import KVPool
+    from qspec.native import draft_copy_format
+
+    wide = synthetic_config("smollm2-135m", n_layers=1, n_heads=1, n_kv_heads=1, head_dim=1024)
+    assert draft_copy_format(wide, "auto", "mxfp4") == "int8"  # INT4 holds heads of at most 512
+    assert draft_copy_format(wide, "int4", "mxfp4") == "int4"
+    with pytest.raises(ValueError, match="INT4 draft copy needs head_dim <= 512"):
+        KVPool(wide, draft_copy="int4")
+    odd = synthetic_config("smollm2-135m", n_layers=1, n_heads=1, n_kv_heads=1, head_dim=80)
+    assert draft_copy_format(odd, "auto", "mxfp4") is None  # the drafts read the BF16 rows
