@@ -575,8 +575,9 @@ void bind_attention(py::module_& m) {
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
         "row i is the tree node at slot start_pos + i (csrc/attention.h AttnTree); window > 0: sliding "
-        "window, a row at position p attends keys p - window + 1 .. p; q8 = (K values, "
-        "V values, scales) of a draft copy (qspec/kv_cache.py): attend over it instead of kv's BF16 rows; "
+        "window, a row at position p attends keys p - window + 1 .. p; q8 = a draft copy's "
+        "five arrays (qspec/kv_cache.py: K values, V values, K scales, V scales, page flags): attend over it "
+        "instead of kv's BF16 rows; "
         "pages (int32) with page_size: a paged cache, position p in pool row pages[p / page_size] * "
         "page_size + p % page_size; sinks (with q8 and a window): keys 0 .. sinks - 1 are attended too");
   m.def("attn_paths", [] {

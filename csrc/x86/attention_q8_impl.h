@@ -1,4 +1,4 @@
-// Attention over the draft copy of the KV cache (csrc/kv_q8.h: INT8 K, INT8 or INT4 V), for the MX draft passes.
+// Attention over the draft copy of the KV cache (csrc/kv_q8.h: INT8 or INT4), for the MX draft passes.
 // Included by exactly one translation unit per ISA (attention_q8_avx2.cpp, attention_q8_avx512.cpp)
 // and wrapped in an anonymous namespace, so each gets a private copy compiled for its flags.
 // `T` is the vector width of the head_dim loops (score dot products, V accumulation): 8 lanes
@@ -6,13 +6,14 @@
 //
 // One call computes pairs [u0, u1) of one KV head over one fixed key segment (attention.h), the
 // three passes of attention.cpp:
-//   1. keys in blocks of 8 counted from key 0, dequantized exactly into an FP32 block (natural
-//      order, shared by every pair of the call); per key ONE T-wide FMA chain over head_dim
-//      (d = 0, W, 2W, ..), folded to 8 lanes (AVX-512: low half + high half), then the fixed
-//      tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); · scale; lane-wise running max;
+//   1. keys in blocks of 8 counted from key 0, dequantized into an FP32 block (natural order,
+//      shared by every pair of the call; exactly, but INT4 K: center + q · scale in one FMA, and
+//      the BF16 K row of a page whose group is not written yet); per key ONE T-wide FMA chain
+//      over head_dim (d = 0, W, 2W, ..), folded to 8 lanes (AVX-512: low half + high half), then
+//      the fixed tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); · scale; lane-wise running max;
 //   2. exp(s - max), Σ as 8 lane-wise partial sums over the segment's 8-key blocks, fixed tree;
 //   3. per output column ONE FMA chain over the keys in order, then · (1/Σ) or the partial for
-//      the driver's in-order segment merge.
+//      the driver's in-order segment merge (INT4 V: the sums rotated back first).
 // Windows (a sliding-window layer; the draft window with its sinks, AttnArgs::sink_keys): a pair
 // attends keys [0, gap) and [lo, p] (attn_gap_lo, attn_key_lo); blocks wholly inside [gap, lo) are
 // skipped for it (and not dequantized when every pair skips them), the rest of the gap gets -inf
@@ -30,7 +31,6 @@
 #include <cstring>
 
 #include "attention.h"
-#include "bf16.h"
 #include "vec_avx2.h"
 
 namespace qspec {
@@ -100,9 +100,6 @@ inline __m256 q4_scales8(const uint8_t* e) {
   return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_andnot_si256(zero, bits), _mm256_set1_epi32(0x7FC00000), nan));
 }
 
-// Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
-// K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
-
 // One key's INT4 K row of its group (kv_q8.h, kv_k4_group): center + q · scale per column, with
 // the group's centers and scales of this head in cen / scl (FP32).
 template <class T>
@@ -110,6 +107,8 @@ inline void k4_row(const int8_t* q, const float* cen, const float* scl, int64_t 
   for (int64_t c = 0; c < hd; c += T::W) T::store(dst + c, T::fma(T::i4(q + c / 2), T::load(scl + c), T::load(cen + c)));
 }
 
+// Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
+// K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
 template <class T>
 void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64_t j0, int64_t nk,
                 int64_t nfill, float* dst) {
