@@ -90,7 +90,7 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
                    "from 1024 tokens on")
     g.add_argument("--draft-window", type=_nonnegative_int, default=None, metavar="N",
                    help="the MX drafts attend only the first 64 tokens and the N most recent ones (over the draft "
-                   "KV copy): drafting as cheap at long context as at short; 0 = every token (default: 2048 "
+                   "KV copy): drafting as cheap at long context as at short; 0 = every token (default: 8192 "
                    "with a draft KV copy)")
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
                    help="tokens of context, prompt + completion (per request when serving; default: the "

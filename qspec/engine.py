@@ -478,7 +478,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     `draft_window`: N: the MX drafts' passes over that copy attend only the first
     qspec.native.DRAFT_SINKS (64) tokens and the N most recent ones, so drafting stays as cheap at
     long context as at short (the target still attends every token: the output is unchanged);
-    0: every token; None (default): qspec.native.DEFAULT_DRAFT_WINDOW (2,048) when there is a copy.
+    0: every token; None (default): qspec.native.DEFAULT_DRAFT_WINDOW (8,192) when there is a copy.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.
