@@ -65,7 +65,7 @@ def test_bench_e2e_context_quick(default_model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,word", [(["e2e", "--context", "10"], "--context"),
-                                       (["e2e", "--draft-kv", "int4"], "--draft-kv"),
+                                       (["e2e", "--draft-kv", "int2"], "--draft-kv"),
                                        (["e2e", "--draft-windows", "0,-8"], "--draft-windows"),
                                        (["prefill", "--lengths", "10"], "--lengths"),
                                        (["prefill", "--peer-server", "llama-server"], "--peer-gguf")])
