@@ -234,7 +234,7 @@ def test_forward_rejects_bad_trees(backend, bad, msg):
 def test_move_rows_validates():
     cfg = synthetic_config("smollm2-135m", hidden_size=64, intermediate_size=64, n_layers=1,
                            n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=50, max_seq_len=32)
-    kv = KVCache(KVPool(cfg))
+    kv = KVCache(KVPool(cfg, page_size=16))
     kv.ensure_capacity(16)
     kv.data[:, :, kv.rows(0, 16)] = np.arange(16, dtype=np.uint16)[None, None, :, None, None]
     for src, dst, msg in [([5, 4], 2, "ascending"), ([1], 2, "ascending"), ([3], -1, "dst_start"),
