@@ -59,12 +59,12 @@ uint8_t q4_scale_byte(float amax) {
 }  // namespace
 
 void kv_q4_quantize(const uint16_t* bf16, int64_t n, int64_t head_dim, uint8_t* packed, uint8_t* scale) {
-  const int64_t p = kv_rot_size(head_dim), c = p > kQ8Block ? p : kQ8Block;
-  std::vector<float> y(static_cast<size_t>(c));
-  for (int64_t r = 0; r < n; r += c) {
-    for (int64_t i = 0; i < c; ++i) y[i] = bf16_to_f32(bf16[r + i]);
-    kv_rotate(y.data(), c, p);
-    for (int64_t b = 0; b < c; b += kQ8Block) {
+  const int64_t p = kv_rot_size(head_dim);  // >= kQ8Block: head_dim is a multiple of it
+  std::vector<float> y(static_cast<size_t>(p));
+  for (int64_t r = 0; r < n; r += p) {
+    for (int64_t i = 0; i < p; ++i) y[i] = bf16_to_f32(bf16[r + i]);
+    kv_rotate(y.data(), p, p);
+    for (int64_t b = 0; b < p; b += kQ8Block) {
       float amax = 0.f;
       bool finite = true;
       for (int64_t i = b; i < b + kQ8Block; ++i) {
