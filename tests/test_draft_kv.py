@@ -81,6 +81,14 @@ def q4_scale(e):
     return np.where(e == 0, 0.0, np.where(e == 255, np.nan, v))
 
 
+def q4_scale_bytes(amax, finite):
+    """The UE5M3 scale byte of csrc/kv_q8.h for float32 maxima: the smallest code in [1, 0xFE] whose
+    value v has v >= fl(amax / 7) (as the C++ computes it); 0 for amax 0, 0xFF where not finite."""
+    table = q4_scale(np.arange(256)).astype(np.float32)
+    e = np.minimum(np.searchsorted(table[1:255], amax / np.float32(7), side="left") + 1, 254)
+    return np.where(finite, np.where(amax > 0, e, 0), 255).astype(np.uint8)
+
+
 def quantize_q4_np(bits):
     """The INT4 rule of csrc/kv_q8.h in numpy: rotate per block of P (FP32), per 32 values the
     smallest UE5M3 scale s with 7 s >= max|y|, q = round-half-even(y / s) in [-7, 7], packed."""
@@ -90,14 +98,8 @@ def quantize_q4_np(bits):
     y = fwht(np.where(rot_flip(p), -y, y)).reshape(-1, 32)
     finite = np.isfinite(y).all(axis=1)
     amax = np.where(finite, np.abs(np.where(np.isfinite(y), y, 0)).max(axis=1), 0).astype(np.float32)
-    table = q4_scale(np.arange(256)).astype(np.float32)
-    # the smallest code in [1, 0xFE] with table * 7 >= amax (fl(amax / 7) as the C++ computes it)
-    t = amax / np.float32(7)
-    e = np.searchsorted(table[1:255], t, side="left") + 1
-    e = np.minimum(e, 254)
-    e = np.where(amax > 0, e, 0)
-    e = np.where(finite, e, 255).astype(np.uint8)
-    s = table[e]
+    e = q4_scale_bytes(amax, finite)
+    s = q4_scale(e).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.where(finite[:, None] & (e[:, None] > 0), np.clip(np.rint(y / s[:, None]), -7, 7), 0)
     nib = q.astype(np.int64).reshape(*bits.shape[:-1], hd) & 15
@@ -218,10 +220,8 @@ def k4_group_np(bits, hd):
     center = np.where(finite, bf16(lo * np.float32(0.5) + hi * np.float32(0.5)), 0).astype(np.uint16)
     cf = f32(center)
     r = np.where(finite, np.maximum(hi - cf, cf - lo), 0).astype(np.float32)
-    table = q4_scale(np.arange(256)).astype(np.float32)
-    e = np.minimum(np.searchsorted(table[1:255], r / np.float32(7), side="left") + 1, 254)
-    e = np.where(finite, np.where(r > 0, e, 0), 255).astype(np.uint8)
-    s = table[e]
+    e = q4_scale_bytes(r, finite)
+    s = q4_scale(e).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.where(finite & (e > 0), np.clip(np.rint((xs - cf) / s), -7, 7), 0).astype(np.int64) & 15
     packed = (q[:, 0::2] | q[:, 1::2] << 4).astype(np.uint8).view(np.int8)
