@@ -253,6 +253,8 @@ void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, in
   }
   const float inv = 1.f / den;
   for (int64_t c = 0; c < hd; ++c) out[c] *= inv;
+  // an INT4 V copy's partials are sums in its rotated basis (attention_q8_impl.h): back once here
+  if (a.draft_q8 && a.kv.v_bits == 4) kv_unrotate(out, hd, kv_rot_size(hd));
 }
 
 // Fast paths: a work unit is (KV head, contiguous range of rows, key segment); it covers all G

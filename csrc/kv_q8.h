@@ -78,13 +78,13 @@ inline void kv_fwht(float* x, int64_t n, int64_t p) {
 // x <- H·D·x per block of p (the copy's basis); x <- D·H·x / p undoes it.
 inline void kv_rotate(float* x, int64_t n, int64_t p) {
   for (int64_t i = 0; i < n; ++i)
-    if (kv_rot_flip(i % p)) x[i] = -x[i];
+    if (kv_rot_flip(i & (p - 1))) x[i] = -x[i];  // p a power of two
   kv_fwht(x, n, p);
 }
 inline void kv_unrotate(float* x, int64_t n, int64_t p) {
   kv_fwht(x, n, p);
   const float inv = 1.f / float(p);  // exact: p a power of two
-  for (int64_t i = 0; i < n; ++i) x[i] = (kv_rot_flip(i % p) ? -x[i] : x[i]) * inv;
+  for (int64_t i = 0; i < n; ++i) x[i] = (kv_rot_flip(i & (p - 1)) ? -x[i] : x[i]) * inv;
 }
 
 // The UE5M3 scale of an INT4 block's byte (see above).

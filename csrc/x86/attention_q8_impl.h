@@ -13,7 +13,7 @@
 //      the fixed tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); · scale; lane-wise running max;
 //   2. exp(s - max), Σ as 8 lane-wise partial sums over the segment's 8-key blocks, fixed tree;
 //   3. per output column ONE FMA chain over the keys in order, then · (1/Σ) or the partial for
-//      the driver's in-order segment merge (INT4 V: the sums rotated back first).
+//      the driver's in-order segment merge (INT4 V: the sums rotated back, after the merge).
 // Windows (a sliding-window layer; the draft window with its sinks, AttnArgs::sink_keys): a pair
 // attends keys [0, gap) and [lo, p] (attn_gap_lo, attn_key_lo); blocks wholly inside [gap, lo) are
 // skipped for it (and not dequantized when every pair skips them), the rest of the gap gets -inf
@@ -325,10 +325,12 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   for (int64_t u = 0; u < np; ++u) {
     if (!live(u)) continue;  // below its window and past its sinks: no partial
     float* acc = accs + u * hd;
-    if (a.kv.v_bits == 4) kv_unrotate(acc, hd, kv_rot_size(hd));  // INT4 V: sums in the rotated basis
     float* out;
     float inv;
     if (n_full(u) <= kAttnSegKeys) {
+      // INT4 V: sums in the rotated basis, turned back once per output row (a partial stays
+      // rotated: merge_segments turns the merged row back)
+      if (a.kv.v_bits == 4) kv_unrotate(acc, hd, kv_rot_size(hd));
       out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
       inv = 1.f / stat[u * 8];
     } else {
