@@ -28,6 +28,7 @@
 
 #include "bf16.h"
 #include "bindings.h"
+#include "gemm.h"
 #include "pool.h"
 #include "profile.h"
 
@@ -431,11 +432,12 @@ void attention_path(AttnPath p, const AttnArgs& a) {
                                 "' is not supported on this CPU / ISA level / head_dim");
   if (a.m <= 0) return;
   const bool q8 = a.draft_q8;  // the draft copy (with windows and sinks: attention_q8_impl.h)
+  const auto q8_avx512 = mx_vnni() ? attn_group_q8_avx512vnni : attn_group_q8_avx512;  // the same bits
   switch (p) {
     case AttnPath::ref: run_ref(q8 ? attn_row_head_ref_q8 : attn_row_head_ref, a); break;
     case AttnPath::avx2: run_grouped(q8 ? attn_group_q8_avx2 : attn_group_avx2, a); break;
-    case AttnPath::avx512: run_grouped(q8 ? attn_group_q8_avx512 : attn_group_avx512, a); break;
-    case AttnPath::amx: run_grouped(q8 ? attn_group_q8_avx512 : attn_group_amx, a); break;
+    case AttnPath::avx512: run_grouped(q8 ? q8_avx512 : attn_group_avx512, a); break;
+    case AttnPath::amx: run_grouped(q8 ? q8_avx512 : attn_group_amx, a); break;
   }
 }
 

@@ -266,9 +266,40 @@ def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8", final=None):
     return kv, quantize_copy(kv, fmt, final)
 
 
-def attention_f64(q, vals, layer, start_pos, window=0, sinks=0):
+# The paths whose INT4 K scores are integer dot products over a rounded q (csrc/x86/
+# attention_q8_impl.h, k4_table: the AVX-512 builds); ref and avx2 score the dequantized values.
+INT_K_PATHS = {"avx512", "amx"}
+
+
+def k4_int_scores(qv, qk, ek, flags, layer, kh, keys):
+    """The scores q.k (float64) of k4_table's arithmetic for the keys of written INT4 K groups
+    among `keys` (NaN elsewhere): per group q' = q * scale (FP32), qi = rint(q' * (127 / max|q'|)),
+    delta = max|q'| / 127 (FP32), score = delta * sum(qi * v) + q.center."""
+    hd = qv.shape[-1]
+    out = np.full(len(keys), np.nan)
+    for g0 in np.unique(keys // GROUP * GROUP):
+        if not flags[0, 0, g0, 0, 0]:
+            continue
+        params = ek[layer, 0, g0:g0 + GROUP].reshape(-1, 3 * hd)[kh]
+        center = f32(params[0:2 * hd:2].astype(np.uint16) | params[1:2 * hd:2].astype(np.uint16) << 8)
+        qp = qv.astype(np.float32) * q4_scale(params[2 * hd:]).astype(np.float32)
+        amax = np.abs(qp).max()
+        sel = keys // GROUP * GROUP == g0
+        if not np.isfinite(qp).all():
+            continue  # NaN scores, as the kernel's
+        qi = np.zeros(hd) if amax == 0 else np.rint(qp * (np.float32(127) / amax)).astype(np.float64)
+        b = qk[layer, 0, keys[sel], kh].view(np.uint8).astype(np.int64)
+        nib = np.stack([b & 15, b >> 4], axis=-1).reshape(len(b), hd)
+        vals = nib - ((nib & 8) << 1)
+        out[sel] = np.float64(amax / np.float32(127)) * (vals @ qi) + qv.astype(np.float64) @ center
+    return out
+
+
+def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None):
     """Causal GQA attention in float64 over given K/V values [layers, 2, seq, kvh, hd]; with a
-    window, a row at p attends keys p - window + 1 .. p and keys 0 .. sinks - 1."""
+    window, a row at p attends keys p - window + 1 .. p and keys 0 .. sinks - 1. int_k = an INT4
+    copy (K values, V values, K scales, V scales, flags): written groups' keys scored as
+    k4_int_scores."""
     m, h, hd = q.shape
     kvh = vals.shape[3]
     out = np.empty((m, h, hd))
@@ -279,7 +310,12 @@ def attention_f64(q, vals, layer, start_pos, window=0, sinks=0):
             keys = keys[(keys > p - window) | (keys < sinks)]
         k = np.repeat(vals[layer, 0, keys], h // kvh, axis=1)
         v = np.repeat(vals[layer, 1, keys], h // kvh, axis=1)
-        s = np.einsum("hd,jhd->hj", q[i].astype(np.float64), k) / np.sqrt(hd)
+        s = np.einsum("hd,jhd->hj", q[i].astype(np.float64), k)
+        if int_k is not None:
+            for hh in range(h):
+                si = k4_int_scores(q[i, hh], int_k[0], int_k[2], int_k[4], layer, hh // (h // kvh), keys)
+                s[hh] = np.where(np.isnan(si), s[hh], si)
+        s /= np.sqrt(hd)
         w = np.exp(s - s.max(axis=1, keepdims=True))
         out[i] = np.einsum("hj,jhd->hd", w / w.sum(axis=1, keepdims=True), v)
     return out
@@ -294,7 +330,13 @@ def test_kernel_against_f64(path, shape, start_pos, m, fmt):
     kv, q8 = make_cache(start_pos + m + 3, kv_heads, hd, fmt=fmt)
     q = np.random.default_rng(1).standard_normal((m, n_heads, hd)).astype(np.float32)
     got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8)
-    np.testing.assert_allclose(got, attention_f64(q, dequant_copy(kv, *q8), 1, start_pos), **TOL_F32_VS_F64)
+    exact = attention_f64(q, dequant_copy(kv, *q8), 1, start_pos)
+    if fmt == "int4" and path in INT_K_PATHS:
+        model = attention_f64(q, dequant_copy(kv, *q8), 1, start_pos, int_k=q8)
+        np.testing.assert_allclose(got, model, **TOL_F32_VS_F64)
+        np.testing.assert_allclose(got, exact, atol=0.1)  # q's rounding moves it, by little
+    else:
+        np.testing.assert_allclose(got, exact, **TOL_F32_VS_F64)
     bf = _C.attention(q, kv, 1, start_pos, path=path)
     assert not np.array_equal(got, bf)  # it reads the copy, not the BF16 rows
 
@@ -309,7 +351,8 @@ def test_window_and_sinks_against_f64(path, window, sinks, start_pos, m, fmt):
     kv, q8 = make_cache(start_pos + m + 3, 2, 64, seed=6, fmt=fmt)
     q = np.random.default_rng(7).standard_normal((m, 6, 64)).astype(np.float32)
     got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8, window=window, sinks=sinks)
-    want = attention_f64(q, dequant_copy(kv, *q8), 1, start_pos, window, sinks)
+    want = attention_f64(q, dequant_copy(kv, *q8), 1, start_pos, window, sinks,
+                         int_k=q8 if fmt == "int4" and path in INT_K_PATHS else None)
     np.testing.assert_allclose(got, want, **TOL_F32_VS_F64)
     for i in (0, m - 1):  # a row alone: the same bits
         one = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, q8=q8, window=window, sinks=sinks)
@@ -344,6 +387,21 @@ def test_kernel_batch_invariant_and_deterministic(path, fmt):
     finally:
         _C.set_num_threads(threads)
     np.testing.assert_array_equal(_C.attention(q, kv, 0, start, path=path, q8=q8), whole)
+
+
+@pytest.mark.parametrize("path", sorted(INT_K_PATHS & set(PATHS)))
+def test_int4_k_sums_the_same_with_and_without_vnni(path):
+    """vpdpbusd and vpmaddubsw + vpmaddwd give the same exact integer sums: the same bits."""
+    kv, q8 = make_cache(400, 2, 96, seed=9, fmt="int4", final=352)
+    q = np.random.default_rng(10).standard_normal((3, 6, 96)).astype(np.float32)
+    got = {}
+    for vnni in (True, False):
+        old = _C.set_mx_vnni(vnni)
+        try:
+            got[vnni] = _C.attention(q, kv, 1, 390, path=path, q8=q8)
+        finally:
+            _C.set_mx_vnni(old)
+    np.testing.assert_array_equal(got[True], got[False])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -44,7 +44,11 @@ TREE_FAST = ["test_tree_attention.py::test_tree_rows_equal_linear_path",
              "test_tree_attention.py::test_small_model_tree_rows_equal_linear"]
 # FAST keeps CI within its time: the kernels against their oracles, whole-forward batch invariance
 # and short losslessness cases at every level; FULL (slow) adds the rest.
-FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py", *TREE_FAST,
+# the draft copy's attention kernels (the AVX-512 builds score INT4 K by integer dot products)
+DRAFT_KV_FAST = [f"test_draft_kv.py::{t}" for t in (
+    "test_kernel_against_f64", "test_window_and_sinks_against_f64", "test_kernel_batch_invariant_and_deterministic",
+    "test_tree_rows_equal_linear_path", "test_int4_k_sums_the_same_with_and_without_vnni")]
+FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py", *TREE_FAST, *DRAFT_KV_FAST,
         "test_speculative.py::test_greedy_lossless_each_level"]  # the default draft, short cases
 FULL = ["test_gemm.py", "test_attention.py", "test_native_model.py", "test_speculative.py",
         "test_tree_attention.py", "test_draft_kv.py", "test_batch.py",

@@ -100,6 +100,25 @@ inline __m256 q4_scales8(const uint8_t* e) {
   return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_andnot_si256(zero, bits), _mm256_set1_epi32(0x7FC00000), nan));
 }
 
+// hd BF16 values -> FP32 (exact).
+inline void bf16_row_f32(const uint16_t* k, int64_t hd, float* dst) {
+  for (int64_t c = 0; c < hd; c += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + c)));
+    _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+}
+
+// K group g's centers and scales of head kvh (kv_q8.h, kv_k4_group) as FP32.
+inline void k4_params(const AttnArgs& a, int64_t kvh, int64_t g, float* cen, float* scl) {
+  const int64_t hd = a.kv.head_dim;
+  const uint8_t* ph = a.kv.k_group_params(a.layer, g) + kvh * 3 * hd;
+  for (int64_t c = 0; c < hd; c += 8) {
+    const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ph + 2 * c)));
+    _mm256_storeu_ps(cen + c, _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
+    _mm256_storeu_ps(scl + c, q4_scales8(ph + 2 * hd + c));
+  }
+}
+
 // One key's INT4 K row of its group (kv_q8.h, kv_k4_group): center + q · scale per column, with
 // the group's centers and scales of this head in cen / scl (FP32).
 template <class T>
@@ -121,21 +140,12 @@ void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64
     if (k4) {
       const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
       if (!a.kv.k_final[g]) {  // the group's copy is not written yet: the BF16 row
-        const uint16_t* k = a.kv.k(a.layer, slot) + kvh * hd;
-        for (int64_t c = 0; c < hd; c += 8) {
-          const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + c)));
-          _mm256_storeu_ps(dst + t * hd + c, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-        }
+        bf16_row_f32(a.kv.k(a.layer, slot) + kvh * hd, hd, dst + t * hd);
         continue;
       }
       if (g != cur) {
         cur = g;
-        const uint8_t* ph = a.kv.k_group_params(a.layer, g) + kvh * 3 * hd;
-        for (int64_t c = 0; c < hd; c += 8) {
-          const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ph + 2 * c)));
-          _mm256_storeu_ps(cen + c, _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)));
-          _mm256_storeu_ps(scl + c, q4_scales8(ph + 2 * hd + c));
-        }
+        k4_params(a, kvh, g, cen, scl);
       }
       k4_row<T>(a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2, cen, scl, hd, dst + t * hd);
       continue;
@@ -171,6 +181,143 @@ inline __m256 q8_dot8(const float* qp, const float* kb, int64_t hd) {
   for (int t = 0; t < 8; ++t) f[t] = T::fold(acc[t]);
   return _mm256_set_m128(q8_tree4(f[4], f[5], f[6], f[7]), q8_tree4(f[0], f[1], f[2], f[3]));
 }
+
+#ifdef QSPEC_Q8_AVX512
+// INT4 K scores as integer dot products (AVX-512 builds). A written group's key is
+// center + v · scale per channel (v in [-7, 7]), so q·k = q·center + Σ_c (q_c · scale_c) · v_c: per
+// pair and group, q' = q ⊙ scale is rounded once to int8 (k4_table: qi = round-half-even(q' ·
+// (127 / max|q'|)), δ = max|q'| / 127, both FP32), and each key's score is the exact integer
+// Σ qi · v (u8 · s8 multiply-adds on u = v + 8, less 8 · Σ qi), then fma(that, δ, q·center). Per
+// key this needs the row's 64 bytes, not a dequantized FP32 row: four vpdpbusd (vpmaddubsw +
+// vpmaddwd without VNNI: the same exact sums) per key and pair for head_dim 128. The only error
+// beyond the copy's own is q' rounding: |Δ score| <= δ / 2 · Σ_c |v_c| <= 7 · head_dim · δ / 2;
+// tests/test_draft_kv.py holds each path to a float64 model of exactly this arithmetic. A score
+// depends only on q, the key's row and its group's params: not on the block, pair or row mix.
+inline __m512i k4_dot_step(__m512i acc, __m512i u, __m512i s) {
+#ifdef QSPEC_Q8_VNNI
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+// One pair's q against one written K group: qi (hdp bytes, even channels first, then odd, zero
+// past head_dim), δ (NaN when q' is not finite: a NaN scale marks a channel that held one), q·center, 8 · Σ qi.
+struct K4Table {
+  int64_t group = -1;
+  float delta = 0.f, qc = 0.f;
+  int32_t off = 0;
+};
+
+// 16 int32 in [-127, 127] -> 16 int8, in order (vpmovdb, from AVX2 packs).
+inline __m128i k4_bytes16(__m512i v) {
+  const __m256i w = _mm256_packs_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  const __m256i b = _mm256_packs_epi16(w, w);  // dword i of each lane: 4 bytes
+  return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
+}
+
+inline void k4_table(const float* q, const float* cen, const float* scl, int64_t hd, int64_t hdp, int64_t g,
+                     K4Table& t, int8_t* qi) {
+  alignas(64) float qp[512];
+  __m512 amax = _mm512_setzero_ps(), qc = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int64_t c = 0; c < hd; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    const __m512 p = _mm512_mul_ps(qv, _mm512_loadu_ps(scl + c));
+    _mm512_store_ps(qp + c, p);
+    const __m512 ab = _mm512_abs_ps(p);
+    bad |= _mm512_cmp_ps_mask(ab, _mm512_set1_ps(3.4028235e38f), _CMP_NLE_UQ);  // NaN or Inf
+    amax = _mm512_max_ps(amax, ab);
+    qc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(cen + c), qc);
+  }
+  t.group = g;
+  t.qc = avx2::hsum(Lanes16::fold(qc));
+  const float mx = _mm512_reduce_max_ps(amax);
+  std::memset(qi, 0, size_t(hdp));
+  t.off = 0;
+  if (bad || mx == 0.f) {
+    t.delta = bad ? __builtin_nanf("") : 0.f;
+    return;
+  }
+  t.delta = mx / 127.f;
+  const __m512 inv = _mm512_set1_ps(127.f / mx);
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < hd; c += 32) {  // channels c .. c + 31: 16 even, 16 odd
+    const __m512 lo = _mm512_load_ps(qp + c), hi = _mm512_load_ps(qp + c + 16);
+    const __m512i ie = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(lo, ev, hi), inv));
+    const __m512i io = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(lo, od, hi), inv));
+    sum = _mm512_add_epi32(sum, _mm512_add_epi32(ie, io));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qi + c / 2), k4_bytes16(ie));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qi + hd / 2 + c / 2), k4_bytes16(io));
+  }
+  const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+  alignas(32) int32_t part[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(part), s8);
+  int32_t total = 0;
+  for (int i = 0; i < 8; ++i) total += part[i];
+  t.off = 8 * total;
+}
+
+// A written key's INT4 K row (hd / 2 bytes, two's complement nibbles) as hdp unsigned bytes
+// v + 8 in k4_table's order (even channels, then odd; zero past head_dim).
+inline void k4_unpack(const int8_t* src, int64_t hd, int64_t hdp, uint8_t* dst) {
+  const int64_t half = hd / 2;  // a multiple of 16
+  const __m128i m = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(int8_t(0x88));  // v + 8 = nibble ^ 8
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)), flip);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm_and_si128(b, m));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + half + i), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+  }
+  if (hdp > hd) std::memset(dst + hd, 0, size_t(hdp - hd));
+}
+
+// Σ u · qi over hdp bytes, as 16 int32 partial sums.
+inline __m512i k4_dot(const uint8_t* u, const int8_t* qi, int64_t hdp) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t c = 0; c < hdp; c += 64) acc = k4_dot_step(acc, _mm512_loadu_si512(u + c), _mm512_loadu_si512(qi + c));
+  return acc;
+}
+
+// The 8 keys' sums of acc[0..8) (int32, exact in any order), lane t = key t.
+inline __m256i k4_sum8(const __m512i* acc) {
+  __m256i f[8];
+  for (int t = 0; t < 8; ++t)
+    f[t] = _mm256_add_epi32(_mm512_castsi512_si256(acc[t]), _mm512_extracti64x4_epi64(acc[t], 1));
+  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(f[0], f[1]), _mm256_hadd_epi32(f[2], f[3]));
+  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(f[4], f[5]), _mm256_hadd_epi32(f[6], f[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+// K of logical keys [j0, j0 + nk) of query row `row`, KV head kvh, for k4_dot8: a written group's
+// key unpacked into ub (row t at t * hdp) with grp[t] = its group row; any other key's BF16 row in
+// fb (row t at t * hd) with grp[t] = -1. Rows nk .. nfill - 1 get grp -2 (dropped lanes). In an
+// 8-key block with a BF16 row the other rows of fb are zeroed (its FP32 dots read all 8).
+inline void k4_prepare(const AttnArgs& a, int64_t kvh, int64_t row, int64_t j0, int64_t nk, int64_t nfill,
+                       int64_t hdp, float* fb, uint8_t* ub, int64_t* grp) {
+  const int64_t hd = a.kv.head_dim;
+  for (int64_t t = 0; t < nk; ++t) {
+    const int64_t slot = attn_key_slot(a, row, j0 + t);
+    const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
+    if (a.kv.k_final[g]) {
+      grp[t] = g;
+      k4_unpack(a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2, hd, hdp, ub + t * hdp);
+    } else {
+      grp[t] = -1;
+      bf16_row_f32(a.kv.k(a.layer, slot) + kvh * hd, hd, fb + t * hd);
+    }
+  }
+  for (int64_t t = nk; t < nfill; ++t) grp[t] = -2;
+  for (int64_t t0 = 0; t0 < nfill; t0 += 8) {
+    bool bf = false;
+    for (int64_t t = t0; t < t0 + 8; ++t) bf |= grp[t] == -1;
+    if (bf)
+      for (int64_t t = t0; t < t0 + 8; ++t)
+        if (grp[t] != -1) std::memset(fb + t * hd, 0, size_t(hd) * 4);
+  }
+}
+#endif
 
 inline void q8_emit(__m256 dot, __m256 vscale, int64_t nk, float* sc, __m256& vmax) {
   if (nk == 8) {  // a full block: the same values, no staging
@@ -246,13 +393,79 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per block: 16 KB FP32
   if (kb < 8) kb = 8;
 
-  // scratch: FP32 K/V block | tree tail | scores | V accumulators | q | running max, then Σ
-  float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64);
+#ifdef QSPEC_Q8_AVX512
+  const bool int_k = a.kv.k_bits == 4;  // INT4 K scores by integer dot products (k4_table)
+#else
+  const bool int_k = false;
+#endif
+  const int64_t hdp = (hd + 63) & ~int64_t(63);  // int_k: bytes per unpacked K row and per table
+  // scratch: FP32 K/V block | tree tail | scores | V accumulators | q | running max, then Σ;
+  // int_k: unpacked K rows of the block and the tail (bytes) | their groups | per pair a table
+  const int64_t k4_floats = int_k ? ((kb + tb) * hdp + np * hdp) / 4 + 2 * (kb + tb) + 8 * np + 16 : 0;
+  float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats);
   float* tbuf = kvbuf + kb * hd;
   float* scores = tbuf + tb * hd;
   float* accs = scores + np * sc_stride;
   float* qs = accs + np * hd;
   float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max}
+  uint8_t* kub = reinterpret_cast<uint8_t*>(stat + np * 8);  // (kb + tb) rows of hdp bytes
+  int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hdp);  // kb + tb
+  int8_t* qtab = reinterpret_cast<int8_t*>(kgrp + kb + tb);  // np rows of hdp bytes
+#ifdef QSPEC_Q8_AVX512
+  static_assert(sizeof(K4Table) <= 8 * sizeof(float), "k4_floats: 8 floats a table");
+  K4Table* ktab = reinterpret_cast<K4Table*>(qtab + np * hdp);  // np
+  for (int64_t u = 0; int_k && u < np; ++u) ktab[u] = K4Table{};
+  alignas(64) float pcen[512], pscl[512];  // the params of group pg (k4_params)
+  int64_t pg = -1;
+  // Lane t = the score (unscaled) of key t of the 8 at row t of the prepared block (k4_prepare)
+  auto k4_dot8 = [&](int64_t u, const float* fb, const uint8_t* ub, const int64_t* g) {
+    K4Table& tab = ktab[u];
+    int8_t* qi = qtab + u * hdp;
+    bool one = g[0] >= 0;  // the usual block: 8 written keys of one group (a page)
+    for (int t = 1; t < 8; ++t) one &= g[t] == g[0];
+    if (one) {
+      if (tab.group != g[0]) {
+        if (pg != g[0]) k4_params(a, kvh, pg = g[0], pcen, pscl);
+        k4_table(qs + u * hd, pcen, pscl, hd, hdp, g[0], tab, qi);
+      }
+      __m512i acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < hdp; c += 64) {
+        const __m512i w = _mm512_loadu_si512(qi + c);
+        for (int t = 0; t < 8; ++t) acc[t] = k4_dot_step(acc[t], _mm512_loadu_si512(ub + t * hdp + c), w);
+      }
+      const __m256i isum = _mm256_sub_epi32(k4_sum8(acc), _mm256_set1_epi32(tab.off));
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(tab.delta), _mm256_set1_ps(tab.qc));
+    }
+    bool any_bf = false, any_int = false;
+    for (int t = 0; t < 8; ++t) any_bf |= g[t] == -1, any_int |= g[t] >= 0;
+    const __m256 fp = any_bf ? q8_dot8<T>(qs + u * hd, fb, hd) : _mm256_setzero_ps();
+    if (!any_int) return fp;
+    __m512i acc[8];
+    alignas(32) float dl[8], ql[8];
+    alignas(32) int32_t ol[8], bf[8];
+    for (int t = 0; t < 8; ++t) {
+      bf[t] = g[t] == -1 ? -1 : 0;
+      if (g[t] < 0) {
+        acc[t] = _mm512_setzero_si512();
+        dl[t] = ql[t] = 0.f;
+        ol[t] = 0;
+        continue;
+      }
+      if (tab.group != g[t]) {
+        if (pg != g[t]) k4_params(a, kvh, pg = g[t], pcen, pscl);
+        k4_table(qs + u * hd, pcen, pscl, hd, hdp, g[t], tab, qi);
+      }
+      acc[t] = k4_dot(ub + t * hdp, qi, hdp);
+      dl[t] = tab.delta;
+      ql[t] = tab.qc;
+      ol[t] = tab.off;
+    }
+    const __m256i isum = _mm256_sub_epi32(k4_sum8(acc), _mm256_load_si256(reinterpret_cast<const __m256i*>(ol)));
+    const __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_load_ps(dl), _mm256_load_ps(ql));
+    return any_bf ? _mm256_blendv_ps(r, fp, _mm256_load_ps(reinterpret_cast<const float*>(bf))) : r;
+  };
+#endif
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
@@ -281,16 +494,31 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         stat[u * 8] = q8_exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, m);
         stat[u * 8 + 1] = m;
       }
-    auto run = [&](int64_t u, const float* blk, int64_t jb, int64_t j0, int64_t e) {
+    // blk: the block's FP32 rows from key jb on (int_k K: k4_prepare's, with ub and g)
+    auto run = [&](int64_t u, const float* blk, const uint8_t* ub, const int64_t* g, int64_t jb, int64_t j0,
+                   int64_t e) {
       if (kv_index == 1) {
         q8_v_keys<T>(scores + u * sc_stride, blk, hd, jb, j0, e, accs + u * hd);
         return;
       }
       __m256 vmax = _mm256_loadu_ps(stat + u * 8);
-      for (int64_t j = j0; j < e; j += 8)
-        q8_emit(q8_dot8<T>(qs + u * hd, blk + (j - jb) * hd, hd), vscale, e - j < 8 ? e - j : 8,
-                scores + u * sc_stride + j, vmax);
+      for (int64_t j = j0; j < e; j += 8) {
+        const float* fb = blk + (j - jb) * hd;
+#ifdef QSPEC_Q8_AVX512
+        const __m256 dot = int_k ? k4_dot8(u, fb, ub + (j - jb) * hdp, g + (j - jb)) : q8_dot8<T>(qs + u * hd, fb, hd);
+#else
+        const __m256 dot = q8_dot8<T>(qs + u * hd, fb, hd);
+#endif
+        q8_emit(dot, vscale, e - j < 8 ? e - j : 8, scores + u * sc_stride + j, vmax);
+      }
       _mm256_storeu_ps(stat + u * 8, vmax);
+    };
+    // K or V of keys [j0, j0 + nk) of `row` into fb (int_k K: with ub and g), zero-filled to nfill
+    auto load = [&](int64_t row, int64_t j0, int64_t nk, int64_t nfill, float* fb, uint8_t* ub, int64_t* g) {
+#ifdef QSPEC_Q8_AVX512
+      if (int_k && kv_index == 0) return k4_prepare(a, kvh, row, j0, nk, nfill, hdp, fb, ub, g);
+#endif
+      q8_dequant<T>(a, kv_index, kvh, row, j0, nk, nfill, fb);
     };
     for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
       const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
@@ -305,9 +533,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         const int64_t hb = a.kv.q8_head_bytes(kv_index);
         for (int64_t x = 0; x < hb; x += 64) _mm_prefetch(row + kvh * hb + x, _MM_HINT_T0);
       }
-      q8_dequant<T>(a, kv_index, kvh, 0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf);
+      load(0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf, kub, kgrp);
       for (int64_t u = 0; u < np; ++u)
-        if (!skips(u)) run(u, kvbuf, b0, b0, end_of(u));
+        if (!skips(u)) run(u, kvbuf, kub, kgrp, b0, b0, end_of(u));
     }
     int64_t tail_row = -1;
     if (tb > 0)
@@ -316,9 +544,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         if (n <= t0 || !live(u)) continue;
         if (row_of(u) != tail_row) {  // a row's pairs are consecutive
           tail_row = row_of(u);
-          q8_dequant<T>(a, kv_index, kvh, tail_row, t0, n - t0, q8_round8(n - t0), tbuf);
+          load(tail_row, t0, n - t0, q8_round8(n - t0), tbuf, kub + kb * hdp, kgrp + kb);
         }
-        run(u, tbuf, t0, t0, n);
+        run(u, tbuf, kub + kb * hdp, kgrp + kb, t0, t0, n);
       }
   }
 
