@@ -479,6 +479,7 @@ void kv_set_pages(KvCacheView& kv, const int32_t* pages, int64_t n_pages, int64_
                                   std::to_string(pool_pages) + " pages");
   kv.pages = pages;
   kv.page_size = page_size;
+  kv.page_shift = kv_shift(page_size);
 }
 
 namespace {

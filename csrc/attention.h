@@ -35,16 +35,20 @@ struct KvCacheView {
   uint8_t* k_final = nullptr;
   int k_bits = 8, v_bits = 8;
   int64_t k_group = 0;  // rows per K group (k_bits 4): the pool's page size
+  int k_group_shift = -1;  // log2(k_group) when a power of two (kv_shift), else -1
   // Paged cache (qspec/kv_cache.py): the pool's rows are pages of page_size rows (a multiple of
   // 8), and the sequence's position p sits in pool row pages[p / page_size] · page_size +
   // p % page_size. Null: position p is pool row p (one contiguous sequence). Every accessor
   // below takes a position; rows are contiguous only within a page (run_end).
   const int32_t* pages = nullptr;
   int64_t page_size = 0;
+  int page_shift = -1;  // log2(page_size) when a power of two (kv_shift), else -1: no division per key
 
   int64_t row_elems() const { return kv_heads * head_dim; }  // one position of K or V
   int64_t slot(int64_t pos) const {
-    return pages ? int64_t(pages[pos / page_size]) * page_size + pos % page_size : pos;
+    if (!pages) return pos;
+    if (page_shift >= 0) return (int64_t(pages[pos >> page_shift]) << page_shift) | (pos & (page_size - 1));
+    return int64_t(pages[pos / page_size]) * page_size + pos % page_size;
   }
   // End of the run of positions stored contiguously from pos on (its page's end).
   int64_t run_end(int64_t pos) const {
@@ -69,11 +73,16 @@ struct KvCacheView {
     return kv_index ? v_scale + r * (row_elems() / kQ8Block) : k_scale + r * k_scale_bytes();
   }
   // k_bits 4: the pool row starting pool row `slot`'s K group, its flag and its params
-  int64_t k_group_row(int64_t pool_row) const { return pool_row - pool_row % k_group; }
+  int64_t k_group_row(int64_t pool_row) const {
+    return k_group_shift >= 0 ? pool_row & -k_group : pool_row - pool_row % k_group;
+  }
   uint8_t* k_group_params(int64_t layer, int64_t group_row) const {
     return k_scale + (layer * max_seq + group_row) * k_scale_bytes();
   }
 };
+
+// log2(n) for a power of two n > 0, else -1 (KvCacheView::page_shift, k_group_shift).
+inline int kv_shift(int64_t n) { return n > 0 && (n & (n - 1)) == 0 ? __builtin_ctzll(uint64_t(n)) : -1; }
 
 // Points kv at a sequence's page table (KvCacheView::pages) after checking it: page_size a
 // positive multiple of 8 dividing kv.max_seq, positions 0..positions-1 covered by pages that lie

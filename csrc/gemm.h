@@ -109,7 +109,7 @@ bool set_mx_tiles(bool enabled);
 bool mx_tiles();
 
 // The avx512 path sums MXFP4 x Q8 products with vpdpbusd when the CPU has AVX512-VNNI (same bits
-// as vpmaddubsw), and so does the draft copy's attention its INT4 K scores (attention_q8_impl.h).
+// as vpmaddubsw), and the draft copy's attention its INT4 K scores with vpdpwssd (attention_q8_impl.h).
 // set_mx_vnni(false) forces vpmaddubsw (tests, A/B benchmarks); returns the
 // previous setting. mx_vnni(): VNNI is available and enabled.
 bool set_mx_vnni(bool enabled);

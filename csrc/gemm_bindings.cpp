@@ -185,10 +185,10 @@ void bind_gemm(py::module_& m) {
   }, py::arg("w"), py::arg("m"), "GEMM paths usable on this CPU for this weight and M");
 
   m.def("set_mx_vnni", &set_mx_vnni, py::arg("enabled"),
-        "Let the avx512 path sum MXFP4 x Q8 products (and the draft copy's attention its INT4 K "
-        "scores) with vpdpbusd where the CPU has AVX512-VNNI (default; same bits as vpmaddubsw); "
+        "Let the avx512 path sum MXFP4 x Q8 products with vpdpbusd (and the draft copy's attention "
+        "its INT4 K scores with vpdpwssd) where the CPU has AVX512-VNNI (default; the same bits); "
         "returns the previous setting");
-  m.def("mx_vnni", &mx_vnni, "Whether those sums use vpdpbusd (available and enabled)");
+  m.def("mx_vnni", &mx_vnni, "Whether those sums use VNNI (available and enabled)");
   m.def("set_mx_tiles", &set_mx_tiles, py::arg("enabled"),
         "MXFP4 at the amx level: the amx path (int8 tiles / vpdpbusd) at every M (True) or the avx512 "
         "path (False, default unless QSPEC_MX_PATH=amx); returns the previous setting");

@@ -147,6 +147,7 @@ void kv_set_copy(KvCacheView& kv, const py::tuple& copy, const char* who) {
   kv.v_bits = vv_n == hd ? 8 : 4;
   if (kv.k_bits == 8 ? ks_n != hd / kQ8Block : ks_n <= 0 || (3 * hd) % ks_n != 0 || hd > 512) fail();
   kv.k_group = kv.k_bits == 4 ? 3 * hd / ks_n : 0;  // rows per K group
+  kv.k_group_shift = kv_shift(kv.k_group);
   if (kv.k_bits == 4 && (kv.k_group % 8 != 0 || kv.max_seq % kv.k_group != 0))
     throw std::invalid_argument(std::string(who) + ": the INT4 K copy's groups (" + std::to_string(kv.k_group) +
                                 " rows) must be a multiple of 8 dividing the pool's rows");

@@ -1,6 +1,6 @@
 // AVX-512 attention over the draft copy of the KV cache with AVX512-VNNI (attention_q8_impl.h):
-// the INT4 K scores' integer dot products by vpdpbusd, one instruction where the avx512 build
-// needs vpmaddubsw + vpmaddwd + an add. The sums are exact integers either way, so this build
+// the INT4 K scores' integer dot products by vpdpwssd, one instruction where the avx512 build
+// needs vpmaddwd + an add. The sums are exact integers either way, so this build
 // gives the avx512 one's bits (tests/test_draft_kv.py); chosen at run time by mx_vnni() (gemm.h).
 #define QSPEC_Q8_AVX512 1
 #define QSPEC_Q8_VNNI 1

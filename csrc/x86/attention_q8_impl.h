@@ -185,39 +185,38 @@ inline __m256 q8_dot8(const float* qp, const float* kb, int64_t hd) {
 #ifdef QSPEC_Q8_AVX512
 // INT4 K scores as integer dot products (AVX-512 builds). A written group's key is
 // center + v · scale per channel (v in [-7, 7]), so q·k = q·center + Σ_c (q_c · scale_c) · v_c: per
-// pair and group, q' = q ⊙ scale is rounded once to int8 (k4_table: qi = round-half-even(q' ·
-// (127 / max|q'|)), δ = max|q'| / 127, both FP32), and each key's score is the exact integer
-// Σ qi · v (u8 · s8 multiply-adds on u = v + 8, less 8 · Σ qi), then fma(that, δ, q·center). Per
-// key this needs the row's 64 bytes, not a dequantized FP32 row: four vpdpbusd (vpmaddubsw +
-// vpmaddwd without VNNI: the same exact sums) per key and pair for head_dim 128. The only error
-// beyond the copy's own is q' rounding: |Δ score| <= δ / 2 · Σ_c |v_c| <= 7 · head_dim · δ / 2;
+// pair and group, q' = q ⊙ scale is rounded once to int16 (k4_table: qi = round-half-even(q' ·
+// (32767 / max|q'|)), δ = max|q'| / 32767, both FP32), and each key's score is the exact integer
+// Σ qi · v, then fma(that, δ, q·center). Per key this needs the row's 64 bytes as 128 int16, not a
+// dequantized FP32 row: four vpdpwssd (vpmaddwd + an add without VNNI: the same exact sums) per
+// key and pair for head_dim 128, where FP32 needs eight FMAs and the dequantization. The only
+// error beyond the copy's own is q' rounding: |Δ score| <= δ / 2 · Σ_c |v_c| <= 7 · head_dim · δ / 2.
+// (Rounding q' to int8 instead cost the drafts acceptance at 8k tokens: 0.813 -> 0.754 at K = 4.)
 // tests/test_draft_kv.py holds each path to a float64 model of exactly this arithmetic. A score
 // depends only on q, the key's row and its group's params: not on the block, pair or row mix.
-inline __m512i k4_dot_step(__m512i acc, __m512i u, __m512i s) {
+inline __m512i k4_dot_step(__m512i acc, __m512i k, __m512i q) {
 #ifdef QSPEC_Q8_VNNI
-  return _mm512_dpbusd_epi32(acc, u, s);
+  return _mm512_dpwssd_epi32(acc, k, q);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(k, q));
 #endif
 }
 
-// One pair's q against one written K group: qi (hdp bytes, even channels first, then odd, zero
-// past head_dim), δ (NaN when q' is not finite: a NaN scale marks a channel that held one), q·center, 8 · Σ qi.
+// One pair's q against one written K group: qi (head_dim int16, even channels first, then odd),
+// δ (NaN when q' is not finite: a NaN scale marks a channel that held one) and q·center.
 struct K4Table {
   int64_t group = -1;
   float delta = 0.f, qc = 0.f;
-  int32_t off = 0;
 };
 
-// 16 int32 in [-127, 127] -> 16 int8, in order (vpmovdb, from AVX2 packs).
-inline __m128i k4_bytes16(__m512i v) {
+// 16 int32 in [-32767, 32767] -> 16 int16, in order (vpmovdw, from AVX2 packs).
+inline __m256i k4_words16(__m512i v) {
   const __m256i w = _mm256_packs_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-  const __m256i b = _mm256_packs_epi16(w, w);  // dword i of each lane: 4 bytes
-  return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0)));
+  return _mm256_permute4x64_epi64(w, 0xD8);  // qwords 0, 2, 1, 3
 }
 
-inline void k4_table(const float* q, const float* cen, const float* scl, int64_t hd, int64_t hdp, int64_t g,
-                     K4Table& t, int8_t* qi) {
+inline void k4_table(const float* q, const float* cen, const float* scl, int64_t hd, int64_t g, K4Table& t,
+                     int16_t* qi) {
   alignas(64) float qp[512];
   __m512 amax = _mm512_setzero_ps(), qc = _mm512_setzero_ps();
   __mmask16 bad = 0;
@@ -233,50 +232,42 @@ inline void k4_table(const float* q, const float* cen, const float* scl, int64_t
   t.group = g;
   t.qc = avx2::hsum(Lanes16::fold(qc));
   const float mx = _mm512_reduce_max_ps(amax);
-  std::memset(qi, 0, size_t(hdp));
-  t.off = 0;
   if (bad || mx == 0.f) {
     t.delta = bad ? __builtin_nanf("") : 0.f;
+    std::memset(qi, 0, size_t(hd) * 2);
     return;
   }
-  t.delta = mx / 127.f;
-  const __m512 inv = _mm512_set1_ps(127.f / mx);
+  t.delta = mx / 32767.f;
+  const __m512 inv = _mm512_set1_ps(32767.f / mx);
   const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
-  __m512i sum = _mm512_setzero_si512();
   for (int64_t c = 0; c < hd; c += 32) {  // channels c .. c + 31: 16 even, 16 odd
     const __m512 lo = _mm512_load_ps(qp + c), hi = _mm512_load_ps(qp + c + 16);
     const __m512i ie = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(lo, ev, hi), inv));
     const __m512i io = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(lo, od, hi), inv));
-    sum = _mm512_add_epi32(sum, _mm512_add_epi32(ie, io));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qi + c / 2), k4_bytes16(ie));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qi + hd / 2 + c / 2), k4_bytes16(io));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + c / 2), k4_words16(ie));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + hd / 2 + c / 2), k4_words16(io));
   }
-  const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-  alignas(32) int32_t part[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(part), s8);
-  int32_t total = 0;
-  for (int i = 0; i < 8; ++i) total += part[i];
-  t.off = 8 * total;
 }
 
-// A written key's INT4 K row (hd / 2 bytes, two's complement nibbles) as hdp unsigned bytes
-// v + 8 in k4_table's order (even channels, then odd; zero past head_dim).
-inline void k4_unpack(const int8_t* src, int64_t hd, int64_t hdp, uint8_t* dst) {
+// A written key's INT4 K row (hd / 2 bytes, two's complement nibbles) as head_dim int16 in
+// k4_table's order (even channels, then odd).
+inline void k4_unpack(const int8_t* src, int64_t hd, int16_t* dst) {
   const int64_t half = hd / 2;  // a multiple of 16
-  const __m128i m = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(int8_t(0x88));  // v + 8 = nibble ^ 8
-  for (int64_t i = 0; i < half; i += 16) {
+  const __m128i m = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(int8_t(0x88)), eight = _mm_set1_epi8(8);
+  for (int64_t i = 0; i < half; i += 16) {  // v = (nibble ^ 8) - 8
     const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)), flip);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm_and_si128(b, m));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + half + i), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_cvtepi8_epi16(lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + half + i), _mm256_cvtepi8_epi16(hi));
   }
-  if (hdp > hd) std::memset(dst + hd, 0, size_t(hdp - hd));
 }
 
-// Σ u · qi over hdp bytes, as 16 int32 partial sums.
-inline __m512i k4_dot(const uint8_t* u, const int8_t* qi, int64_t hdp) {
+// Σ k · qi over head_dim int16 (a multiple of 32), as 16 int32 partial sums.
+inline __m512i k4_dot(const int16_t* k, const int16_t* qi, int64_t hd) {
   __m512i acc = _mm512_setzero_si512();
-  for (int64_t c = 0; c < hdp; c += 64) acc = k4_dot_step(acc, _mm512_loadu_si512(u + c), _mm512_loadu_si512(qi + c));
+  for (int64_t c = 0; c < hd; c += 32) acc = k4_dot_step(acc, _mm512_loadu_si512(k + c), _mm512_loadu_si512(qi + c));
   return acc;
 }
 
@@ -291,18 +282,18 @@ inline __m256i k4_sum8(const __m512i* acc) {
 }
 
 // K of logical keys [j0, j0 + nk) of query row `row`, KV head kvh, for k4_dot8: a written group's
-// key unpacked into ub (row t at t * hdp) with grp[t] = its group row; any other key's BF16 row in
+// key unpacked into ub (row t at t * hd) with grp[t] = its group row; any other key's BF16 row in
 // fb (row t at t * hd) with grp[t] = -1. Rows nk .. nfill - 1 get grp -2 (dropped lanes). In an
 // 8-key block with a BF16 row the other rows of fb are zeroed (its FP32 dots read all 8).
 inline void k4_prepare(const AttnArgs& a, int64_t kvh, int64_t row, int64_t j0, int64_t nk, int64_t nfill,
-                       int64_t hdp, float* fb, uint8_t* ub, int64_t* grp) {
+                       float* fb, int16_t* ub, int64_t* grp) {
   const int64_t hd = a.kv.head_dim;
   for (int64_t t = 0; t < nk; ++t) {
     const int64_t slot = attn_key_slot(a, row, j0 + t);
     const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
     if (a.kv.k_final[g]) {
       grp[t] = g;
-      k4_unpack(a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2, hd, hdp, ub + t * hdp);
+      k4_unpack(a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2, hd, ub + t * hd);
     } else {
       grp[t] = -1;
       bf16_row_f32(a.kv.k(a.layer, slot) + kvh * hd, hd, fb + t * hd);
@@ -398,44 +389,42 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
 #else
   const bool int_k = false;
 #endif
-  const int64_t hdp = (hd + 63) & ~int64_t(63);  // int_k: bytes per unpacked K row and per table
   // scratch: FP32 K/V block | tree tail | scores | V accumulators | q | running max, then Σ;
-  // int_k: unpacked K rows of the block and the tail (bytes) | their groups | per pair a table
-  const int64_t k4_floats = int_k ? ((kb + tb) * hdp + np * hdp) / 4 + 2 * (kb + tb) + 8 * np + 16 : 0;
+  // int_k: unpacked K rows of the block and the tail (int16) | their groups | per pair a table
+  const int64_t k4_floats = int_k ? ((kb + tb) * hd + np * hd) / 2 + 2 * (kb + tb) + 8 * np + 16 : 0;
   float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats);
   float* tbuf = kvbuf + kb * hd;
   float* scores = tbuf + tb * hd;
   float* accs = scores + np * sc_stride;
   float* qs = accs + np * hd;
   float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max}
-  uint8_t* kub = reinterpret_cast<uint8_t*>(stat + np * 8);  // (kb + tb) rows of hdp bytes
-  int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hdp);  // kb + tb
-  int8_t* qtab = reinterpret_cast<int8_t*>(kgrp + kb + tb);  // np rows of hdp bytes
+  int16_t* kub = reinterpret_cast<int16_t*>(stat + np * 8);  // (kb + tb) rows of head_dim int16
+  int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hd);  // kb + tb
+  int16_t* qtab = reinterpret_cast<int16_t*>(kgrp + kb + tb);  // np rows of head_dim int16
 #ifdef QSPEC_Q8_AVX512
   static_assert(sizeof(K4Table) <= 8 * sizeof(float), "k4_floats: 8 floats a table");
-  K4Table* ktab = reinterpret_cast<K4Table*>(qtab + np * hdp);  // np
+  K4Table* ktab = reinterpret_cast<K4Table*>(qtab + np * hd);  // np
   for (int64_t u = 0; int_k && u < np; ++u) ktab[u] = K4Table{};
   alignas(64) float pcen[512], pscl[512];  // the params of group pg (k4_params)
   int64_t pg = -1;
   // Lane t = the score (unscaled) of key t of the 8 at row t of the prepared block (k4_prepare)
-  auto k4_dot8 = [&](int64_t u, const float* fb, const uint8_t* ub, const int64_t* g) {
+  auto k4_dot8 = [&](int64_t u, const float* fb, const int16_t* ub, const int64_t* g) {
     K4Table& tab = ktab[u];
-    int8_t* qi = qtab + u * hdp;
+    int16_t* qi = qtab + u * hd;
     bool one = g[0] >= 0;  // the usual block: 8 written keys of one group (a page)
     for (int t = 1; t < 8; ++t) one &= g[t] == g[0];
     if (one) {
       if (tab.group != g[0]) {
         if (pg != g[0]) k4_params(a, kvh, pg = g[0], pcen, pscl);
-        k4_table(qs + u * hd, pcen, pscl, hd, hdp, g[0], tab, qi);
+        k4_table(qs + u * hd, pcen, pscl, hd, g[0], tab, qi);
       }
       __m512i acc[8];
       for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_si512();
-      for (int64_t c = 0; c < hdp; c += 64) {
+      for (int64_t c = 0; c < hd; c += 32) {
         const __m512i w = _mm512_loadu_si512(qi + c);
-        for (int t = 0; t < 8; ++t) acc[t] = k4_dot_step(acc[t], _mm512_loadu_si512(ub + t * hdp + c), w);
+        for (int t = 0; t < 8; ++t) acc[t] = k4_dot_step(acc[t], _mm512_loadu_si512(ub + t * hd + c), w);
       }
-      const __m256i isum = _mm256_sub_epi32(k4_sum8(acc), _mm256_set1_epi32(tab.off));
-      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(tab.delta), _mm256_set1_ps(tab.qc));
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_sum8(acc)), _mm256_set1_ps(tab.delta), _mm256_set1_ps(tab.qc));
     }
     bool any_bf = false, any_int = false;
     for (int t = 0; t < 8; ++t) any_bf |= g[t] == -1, any_int |= g[t] >= 0;
@@ -443,26 +432,23 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     if (!any_int) return fp;
     __m512i acc[8];
     alignas(32) float dl[8], ql[8];
-    alignas(32) int32_t ol[8], bf[8];
+    alignas(32) int32_t bf[8];
     for (int t = 0; t < 8; ++t) {
       bf[t] = g[t] == -1 ? -1 : 0;
       if (g[t] < 0) {
         acc[t] = _mm512_setzero_si512();
         dl[t] = ql[t] = 0.f;
-        ol[t] = 0;
         continue;
       }
       if (tab.group != g[t]) {
         if (pg != g[t]) k4_params(a, kvh, pg = g[t], pcen, pscl);
-        k4_table(qs + u * hd, pcen, pscl, hd, hdp, g[t], tab, qi);
+        k4_table(qs + u * hd, pcen, pscl, hd, g[t], tab, qi);
       }
-      acc[t] = k4_dot(ub + t * hdp, qi, hdp);
+      acc[t] = k4_dot(ub + t * hd, qi, hd);
       dl[t] = tab.delta;
       ql[t] = tab.qc;
-      ol[t] = tab.off;
     }
-    const __m256i isum = _mm256_sub_epi32(k4_sum8(acc), _mm256_load_si256(reinterpret_cast<const __m256i*>(ol)));
-    const __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_load_ps(dl), _mm256_load_ps(ql));
+    const __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_sum8(acc)), _mm256_load_ps(dl), _mm256_load_ps(ql));
     return any_bf ? _mm256_blendv_ps(r, fp, _mm256_load_ps(reinterpret_cast<const float*>(bf))) : r;
   };
 #endif
@@ -495,7 +481,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         stat[u * 8 + 1] = m;
       }
     // blk: the block's FP32 rows from key jb on (int_k K: k4_prepare's, with ub and g)
-    auto run = [&](int64_t u, const float* blk, const uint8_t* ub, const int64_t* g, int64_t jb, int64_t j0,
+    auto run = [&](int64_t u, const float* blk, const int16_t* ub, const int64_t* g, int64_t jb, int64_t j0,
                    int64_t e) {
       if (kv_index == 1) {
         q8_v_keys<T>(scores + u * sc_stride, blk, hd, jb, j0, e, accs + u * hd);
@@ -505,7 +491,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       for (int64_t j = j0; j < e; j += 8) {
         const float* fb = blk + (j - jb) * hd;
 #ifdef QSPEC_Q8_AVX512
-        const __m256 dot = int_k ? k4_dot8(u, fb, ub + (j - jb) * hdp, g + (j - jb)) : q8_dot8<T>(qs + u * hd, fb, hd);
+        const __m256 dot = int_k ? k4_dot8(u, fb, ub + (j - jb) * hd, g + (j - jb)) : q8_dot8<T>(qs + u * hd, fb, hd);
 #else
         const __m256 dot = q8_dot8<T>(qs + u * hd, fb, hd);
 #endif
@@ -514,9 +500,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       _mm256_storeu_ps(stat + u * 8, vmax);
     };
     // K or V of keys [j0, j0 + nk) of `row` into fb (int_k K: with ub and g), zero-filled to nfill
-    auto load = [&](int64_t row, int64_t j0, int64_t nk, int64_t nfill, float* fb, uint8_t* ub, int64_t* g) {
+    auto load = [&](int64_t row, int64_t j0, int64_t nk, int64_t nfill, float* fb, int16_t* ub, int64_t* g) {
 #ifdef QSPEC_Q8_AVX512
-      if (int_k && kv_index == 0) return k4_prepare(a, kvh, row, j0, nk, nfill, hdp, fb, ub, g);
+      if (int_k && kv_index == 0) return k4_prepare(a, kvh, row, j0, nk, nfill, fb, ub, g);
 #endif
       q8_dequant<T>(a, kv_index, kvh, row, j0, nk, nfill, fb);
     };
@@ -544,9 +530,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         if (n <= t0 || !live(u)) continue;
         if (row_of(u) != tail_row) {  // a row's pairs are consecutive
           tail_row = row_of(u);
-          load(tail_row, t0, n - t0, q8_round8(n - t0), tbuf, kub + kb * hdp, kgrp + kb);
+          load(tail_row, t0, n - t0, q8_round8(n - t0), tbuf, kub + kb * hd, kgrp + kb);
         }
-        run(u, tbuf, kub + kb * hdp, kgrp + kb, t0, t0, n);
+        run(u, tbuf, kub + kb * hd, kgrp + kb, t0, t0, n);
       }
   }
 
