@@ -437,7 +437,7 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     case AttnPath::ref: run_ref(q8 ? attn_row_head_ref_q8 : attn_row_head_ref, a); break;
     case AttnPath::avx2: run_grouped(q8 ? attn_group_q8_avx2 : attn_group_avx2, a); break;
     case AttnPath::avx512: run_grouped(q8 ? q8_avx512 : attn_group_avx512, a); break;
-    case AttnPath::amx: run_grouped(q8 ? q8_avx512 : attn_group_amx, a); break;
+    case AttnPath::amx: run_grouped(q8 ? attn_group_q8_amx : attn_group_amx, a); break;
   }
 }
 

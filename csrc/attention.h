@@ -296,8 +296,11 @@ void attn_group_q8_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t
                         const AttnPartials& part);
 void attn_group_q8_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                           int64_t seg, const AttnPartials& part);
-// The avx512 one with vpdpbusd for the INT4 K scores (the same bits; taken when mx_vnni()).
+// The avx512 one with vpdpwssd for the INT4 K scores (the same bits; taken when mx_vnni()).
 void attn_group_q8_avx512vnni(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                               int64_t seg, const AttnPartials& part);
+// The amx level's: an INT4 V pass on AMX-BF16 tiles (its weights rounded to BF16 once).
+void attn_group_q8_amx(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
+                       const AttnPartials& part);
 
 }  // namespace qspec

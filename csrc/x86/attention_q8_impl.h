@@ -1,8 +1,9 @@
 // Attention over the draft copy of the KV cache (csrc/kv_q8.h: INT8 or INT4), for the MX draft passes.
-// Included by exactly one translation unit per ISA (attention_q8_avx2.cpp, attention_q8_avx512.cpp)
-// and wrapped in an anonymous namespace, so each gets a private copy compiled for its flags.
-// `T` is the vector width of the head_dim loops (score dot products, V accumulation): 8 lanes
-// (AVX2) or 16 (AVX-512); the per-key reductions, max, exp and Σ run on 8-lane AVX2 vectors.
+// Included by exactly one translation unit per build (attention_q8_avx2.cpp, _avx512.cpp,
+// _avx512vnni.cpp, _amx.cpp) and wrapped in an anonymous namespace, so each gets a private copy
+// compiled for its flags. `T` is the vector width of the head_dim loops (score dot products, V
+// accumulation): 8 lanes (AVX2) or 16 (AVX-512); the per-key reductions, max, exp and Σ run on
+// 8-lane AVX2 vectors.
 //
 // One call computes pairs [u0, u1) of one KV head over one fixed key segment (attention.h), the
 // three passes of attention.cpp:
@@ -10,10 +11,13 @@
 //      shared by every pair of the call; exactly, but INT4 K: center + q · scale in one FMA, and
 //      the BF16 K row of a page whose group is not written yet); per key ONE T-wide FMA chain
 //      over head_dim (d = 0, W, 2W, ..), folded to 8 lanes (AVX-512: low half + high half), then
-//      the fixed tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); · scale; lane-wise running max;
+//      the fixed tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); · scale; lane-wise running max.
+//      The AVX-512 builds score a written INT4 K group's keys by integer dot products instead
+//      (k4_table: q · scale rounded to int16 once per pair and group);
 //   2. exp(s - max), Σ as 8 lane-wise partial sums over the segment's 8-key blocks, fixed tree;
 //   3. per output column ONE FMA chain over the keys in order, then · (1/Σ) or the partial for
-//      the driver's in-order segment merge (INT4 V: the sums rotated back, after the merge).
+//      the driver's in-order segment merge (INT4 V: the sums rotated back, after the merge). The
+//      amx build runs an INT4 V pass on AMX-BF16 tiles instead (v4_btiles).
 // Windows (a sliding-window layer; the draft window with its sinks, AttnArgs::sink_keys): a pair
 // attends keys [0, gap) and [lo, p] (attn_gap_lo, attn_key_lo); blocks wholly inside [gap, lo) are
 // skipped for it (and not dequantized when every pair skips them), the rest of the gap gets -inf
@@ -32,6 +36,9 @@
 
 #include "attention.h"
 #include "vec_avx2.h"
+#ifdef QSPEC_Q8_AMX
+#include "amx_tiles.h"
+#endif
 
 namespace qspec {
 namespace {
@@ -310,6 +317,93 @@ inline void k4_prepare(const AttnArgs& a, int64_t kvh, int64_t row, int64_t j0, 
 }
 #endif
 
+#ifdef QSPEC_Q8_AMX
+// INT4 V on AMX tiles (the amx build): out[pair][c] = Σ_j w[pair][j] · s[j][c / 32] · v[j][c] as
+// TDPBF16PS with A = the pairs' w · s of a 32-column block in BF16 (16 pairs × 32 keys, ONE BF16
+// rounding of each weight: a draft's precision, 2^-9 relative), B = the keys' v as BF16 (exact:
+// |v| <= 8), VNNI key pairs × 16 columns. The 16 columns of a B tile are one 32-channel block's
+// even or odd channels (byte i of a block holds channels 2i and 2i + 1), so the scale of every
+// column of a tile is its block's; tile (block b, parity p) column i is channel 32b + 2i + p.
+// C tiles hold 16 pairs × 16 columns through a segment, as FP32; steps of 32 keys counted from key
+// 0 in key order, so each C element is ONE chain over its pair's keys. Keys a pair does not
+// attend weigh exact zeros (zero products leave a C element as it is: attention_amx.cpp), so a
+// pair's sums do not depend on the pairs sharing its tile; tree rows gather their own keys into
+// the same 32-key steps from the prefix rounded down to 32 (a linear row's steps, in bits).
+// The V pass's only cost beyond the FP32 path's exp pass is building the tiles: per key pair and
+// block one interleave and two vpermw (nibble -> BF16 table); the products run on the tiles.
+inline __m512i v4_lut() {  // BF16 of the two's complement nibble k & 15, for vpermw's 5-bit index
+  alignas(64) uint16_t t[32];
+  for (int k = 0; k < 32; ++k) {
+    const float f = float(kv_q4_value(uint8_t(k & 15)));
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    t[k] = uint16_t(u >> 16);  // exact: small integers
+  }
+  return _mm512_load_si512(t);
+}
+
+// B tiles of the 32-key step of keys j0 .. j0 + n - 1 (n <= 32) of `row`, KV head kvh: tile
+// 2b + p at bt + (2b + p) * 512 (16 rows of 32 BF16); sc[b * 32 + t] = key t's block-b scale (0
+// past n, whose rows are zero).
+inline void v4_btiles(const AttnArgs& a, int64_t kvh, int64_t row, int64_t j0, int64_t n, const __m512i lut,
+                      uint16_t* bt, float* sc) {
+  const int64_t hd = a.kv.head_dim, nblk = hd / kQ8Block;
+  const __m128i zero = _mm_setzero_si128();
+  for (int64_t r = 0; r < 16; ++r) {
+    const int8_t* x[2] = {nullptr, nullptr};
+    for (int e = 0; e < 2; ++e) {
+      const int64_t t = 2 * r + e;
+      if (t >= n) {
+        for (int64_t b = 0; b < nblk; ++b) sc[b * 32 + t] = 0.f;
+        continue;
+      }
+      const int64_t slot = attn_key_slot(a, row, j0 + t);
+      x[e] = a.kv.q8_row(a.layer, 1, slot) + kvh * hd / 2;
+      const uint8_t* es = a.kv.q8_scales(a.layer, 1, slot) + kvh * nblk;
+      for (int64_t b = 0; b < nblk; ++b) sc[b * 32 + t] = kv_q4_scale(es[b]);
+    }
+    for (int64_t b = 0; b < nblk; ++b) {
+      const __m128i xa = x[0] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[0] + 16 * b)) : zero;
+      const __m128i xb = x[1] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[1] + 16 * b)) : zero;
+      // bytes a0 b0 a1 b1 .. a15 b15 as words: word 2i = key 2r's byte i, 2i + 1 = key 2r + 1's
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(xa, xb))),
+                                           _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(xa, xb)), 1);
+      _mm512_storeu_si512(bt + (2 * b) * 512 + r * 32, _mm512_permutexvar_epi16(w, lut));
+      _mm512_storeu_si512(bt + (2 * b + 1) * 512 + r * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut));
+    }
+  }
+}
+
+// 32 FP32 -> 32 BF16 in order (round to nearest even; NaN stays NaN).
+inline __m512i v4_bf16x32(__m512 lo, __m512 hi) {
+  auto r = [](__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    u = _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+  };
+  // packus works per 128-bit lane: qwords lo 0-3, hi 0-3, lo 4-7, .. back in order
+  return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi32(r(lo), r(hi)));
+}
+
+// C tiles 0 .. 2·NB-1 (blocks b0 .. b0+NB-1, parities 0, 1) of row tile `ct` (cacc tiles of 1 KB
+// at ct + tile * 256) += A (the blocks' weight tiles at at + b * 512 BF16) · B (bt).
+template <int NB>
+inline void v4_tdp(float* ct, const uint16_t* at, const uint16_t* bt, int64_t b0) {
+  using namespace detail::amx;
+  unrolled<2 * NB>([&](auto i) { tile_load<decltype(i)::value>(ct + (2 * b0 + decltype(i)::value) * 256, 64); });
+  unrolled<NB>([&](auto i) {
+    constexpr int B = decltype(i)::value;
+    tile_load<4 + B>(at + (b0 + B) * 512, 64);
+    tile_load<6>(bt + (2 * (b0 + B)) * 512, 64);
+    tile_dpbf16<2 * B, 4 + B, 6>();
+    tile_load<7>(bt + (2 * (b0 + B) + 1) * 512, 64);
+    tile_dpbf16<2 * B + 1, 4 + B, 7>();
+  });
+  unrolled<2 * NB>([&](auto i) { tile_store<decltype(i)::value>(ct + (2 * b0 + decltype(i)::value) * 256, 64); });
+}
+#endif
+
 inline void q8_emit(__m256 dot, __m256 vscale, int64_t nk, float* sc, __m256& vmax) {
   if (nk == 8) {  // a full block: the same values, no staging
     const __m256 s = _mm256_mul_ps(dot, vscale);
@@ -392,7 +486,15 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   // scratch: FP32 K/V block | tree tail | scores | V accumulators | q | running max, then Σ;
   // int_k: unpacked K rows of the block and the tail (int16) | their groups | per pair a table
   const int64_t k4_floats = int_k ? ((kb + tb) * hd + np * hd) / 2 + 2 * (kb + tb) + 8 * np + 16 : 0;
-  float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats);
+#ifdef QSPEC_Q8_AMX
+  const bool amx_v = a.kv.v_bits == 4;  // INT4 V on tiles (v4_btiles)
+#else
+  const bool amx_v = false;
+#endif
+  // amx_v: B tiles of a step | its scales | A tiles per row tile and block | C tiles (1 KB each)
+  const int64_t nblk = hd / kQ8Block, nrt = (np + 15) / 16;
+  const int64_t v4_floats = amx_v ? (2 * nblk) * 256 + nblk * 32 + nrt * nblk * 256 + nrt * 2 * nblk * 256 + 64 : 0;
+  float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats + v4_floats);
   float* tbuf = kvbuf + kb * hd;
   float* scores = tbuf + tb * hd;
   float* accs = scores + np * sc_stride;
@@ -401,6 +503,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   int16_t* kub = reinterpret_cast<int16_t*>(stat + np * 8);  // (kb + tb) rows of head_dim int16
   int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hd);  // kb + tb
   int16_t* qtab = reinterpret_cast<int16_t*>(kgrp + kb + tb);  // np rows of head_dim int16
+  float* v4 = reinterpret_cast<float*>(kvbuf) + (kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats);
+  v4 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v4) + 63) & ~uintptr_t(63));
 #ifdef QSPEC_Q8_AVX512
   static_assert(sizeof(K4Table) <= 8 * sizeof(float), "k4_floats: 8 floats a table");
   K4Table* ktab = reinterpret_cast<K4Table*>(qtab + np * hd);  // np
@@ -471,6 +575,73 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     _mm256_storeu_ps(stat + u * 8, _mm256_set1_ps(-INFINITY));
   }
 
+#ifdef QSPEC_Q8_AMX
+  // The V pass on tiles (v4_btiles): the steps shared by every pair (keys from kbeg below the
+  // shared keys rounded down to 32), then each tree row's own steps from there to its keys' end.
+  auto v4_pass = [&]() {
+    uint16_t* bt = reinterpret_cast<uint16_t*>(v4);  // 2 · nblk tiles
+    float* sc = v4 + 2 * nblk * 256;                     // nblk × 32
+    uint16_t* at = reinterpret_cast<uint16_t*>(sc + nblk * 32);  // nrt × nblk tiles
+    float* cacc = sc + nblk * 32 + nrt * nblk * 256;     // nrt × 2 · nblk tiles
+    std::memset(cacc, 0, size_t(nrt * 2 * nblk * 256) * 4);
+    const __m512i lut = v4_lut();
+    const int64_t sh32 = n_sh & ~int64_t(31);  // shared steps end here (kbeg is a multiple of 256)
+    // keys t of the step (j0 + t, t < n) that pair u attends: below its end, outside its gap
+    auto step_mask = [&](int64_t u, int64_t row, int64_t j0, int64_t n) -> __mmask32 {
+      if (!live(u) || (row >= 0 && row_of(u) != row)) return 0;
+      const int64_t e = n_of(u) - j0 < n ? n_of(u) - j0 : n;
+      if (e <= 0) return 0;
+      __mmask32 k = e >= 32 ? ~__mmask32(0) : __mmask32((uint32_t(1) << e) - 1);
+      const int64_t g0 = gap_of(u) - j0, g1 = lo_of(u) - j0;  // [g0, g1) not attended
+      for (int64_t t = g0 < 0 ? 0 : g0; t < g1 && t < 32; ++t) k &= ~(__mmask32(1) << t);
+      return k;
+    };
+    std::memset(at, 0, size_t(nrt * nblk * 512) * 2);  // rows past the last pair stay zero
+    auto step = [&](int64_t row, int64_t j0, int64_t n) {  // row -1: shared by every pair
+      __mmask32 any = 0;
+      for (int64_t u = 0; u < np; ++u) any |= step_mask(u, row, j0, n);
+      if (!any) return;
+      v4_btiles(a, kvh, row < 0 ? 0 : row, j0, n, lut, bt, sc);
+      for (int64_t u = 0; u < np; ++u) {
+        const __mmask32 k = step_mask(u, row, j0, n);
+        const __mmask16 k0 = __mmask16(k), k1 = __mmask16(k >> 16);
+        const float* w = scores + u * sc_stride + j0;
+        const __m512 w0 = _mm512_maskz_loadu_ps(k0, w), w1 = _mm512_maskz_loadu_ps(k1, w + 16);
+        uint16_t* arow = at + (u / 16) * nblk * 512 + (u % 16) * 32;
+        for (int64_t b = 0; b < nblk; ++b) {  // w · s, exact zeros where not attended (a NaN scale stays out)
+          const __m512 p0 = _mm512_maskz_mul_ps(k0, w0, _mm512_loadu_ps(sc + b * 32));
+          const __m512 p1 = _mm512_maskz_mul_ps(k1, w1, _mm512_loadu_ps(sc + b * 32 + 16));
+          _mm512_storeu_si512(arow + b * 512, v4_bf16x32(p0, p1));
+        }
+      }
+      for (int64_t rt = 0; rt < nrt; ++rt) {
+        float* ct = cacc + rt * 2 * nblk * 256;
+        const uint16_t* art = at + rt * nblk * 512;
+        int64_t b = 0;
+        for (; b + 2 <= nblk; b += 2) v4_tdp<2>(ct, art, bt, b);
+        if (b < nblk) v4_tdp<1>(ct, art, bt, b);
+      }
+    };
+    const int64_t sh_end = a.tree ? sh32 : n_sh;  // linear rows share every key
+    for (int64_t j0 = kbeg; j0 < sh_end; j0 += 32) step(-1, j0, (sh_end < j0 + 32 ? sh_end : j0 + 32) - j0);
+    const int64_t t32 = sh32 > kbeg ? sh32 : kbeg;
+    int64_t done_row = -1;
+    for (int64_t u = 0; a.tree && u < np; ++u) {  // a row's pairs are consecutive
+      if (row_of(u) == done_row) continue;
+      done_row = row_of(u);
+      const int64_t n = n_of(u);
+      for (int64_t j0 = t32; j0 < n; j0 += 32) step(done_row, j0, (n < j0 + 32 ? n : j0 + 32) - j0);
+    }
+    for (int64_t u = 0; u < np; ++u) {  // C tiles -> accs in channel order
+      const int64_t rt = u / 16, m = u % 16;
+      for (int64_t b = 0; b < nblk; ++b)
+        for (int p = 0; p < 2; ++p) {
+          const float* src = cacc + (rt * 2 * nblk + 2 * b + p) * 256 + m * 16;
+          for (int64_t i = 0; i < 16; ++i) accs[u * hd + 32 * b + 2 * i + p] = src[i];
+        }
+    }
+  };
+#endif
   for (int kv_index = 0; kv_index < 2; ++kv_index) {
     if (kv_index == 1)  // pass 2, between K and V
       for (int64_t u = 0; u < np; ++u) {
@@ -481,6 +652,12 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         stat[u * 8 + 1] = m;
       }
     // blk: the block's FP32 rows from key jb on (int_k K: k4_prepare's, with ub and g)
+#ifdef QSPEC_Q8_AMX
+    if (kv_index == 1 && amx_v) {
+      v4_pass();
+      break;
+    }
+#endif
     auto run = [&](int64_t u, const float* blk, const int16_t* ub, const int64_t* g, int64_t jb, int64_t j0,
                    int64_t e) {
       if (kv_index == 1) {
