@@ -329,8 +329,10 @@ inline void k4_prepare(const AttnArgs& a, int64_t kvh, int64_t row, int64_t j0, 
 // attend weigh exact zeros (zero products leave a C element as it is: attention_amx.cpp), so a
 // pair's sums do not depend on the pairs sharing its tile; tree rows gather their own keys into
 // the same 32-key steps from the prefix rounded down to 32 (a linear row's steps, in bits).
-// The V pass's only cost beyond the FP32 path's exp pass is building the tiles: per key pair and
-// block one interleave and two vpermw (nibble -> BF16 table); the products run on the tiles.
+// The segment's tiles are staged first (per key pair and block one interleave and two vpermw, the
+// nibble -> BF16 table; per pair and block a product and a rounding), then each row tile's C tiles
+// run through every step four at a time. Measured on a Sapphire Rapids VM (2 threads, 2 KV heads
+// of 128, 28 calls): as fast as the FP32 pass for one row, 10-13% faster for 4-16 rows.
 inline __m512i v4_lut() {  // BF16 of the two's complement nibble k & 15, for vpermw's 5-bit index
   alignas(64) uint16_t t[32];
   for (int k = 0; k < 32; ++k) {
@@ -386,21 +388,25 @@ inline __m512i v4_bf16x32(__m512 lo, __m512 hi) {
   return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi32(r(lo), r(hi)));
 }
 
-// C tiles 0 .. 2·NB-1 (blocks b0 .. b0+NB-1, parities 0, 1) of row tile `ct` (cacc tiles of 1 KB
-// at ct + tile * 256) += A (the blocks' weight tiles at at + b * 512 BF16) · B (bt).
+// C tiles 0 .. 2·NB-1 = blocks b0 .. b0+NB-1 × parities 0, 1 of one row tile: zeroed, then through
+// ns staged steps of step_tiles tiles (1 KB; B tile 2b + p at index 2b + p, this row tile's A tile
+// of block b at a0 + b): C += A(block) · B(block, parity); stored to its cacc tiles.
 template <int NB>
-inline void v4_tdp(float* ct, const uint16_t* at, const uint16_t* bt, int64_t b0) {
+inline void v4_chains(float* cacc, const uint16_t* tiles, int64_t ns, int64_t step_tiles, int64_t a0, int64_t b0) {
   using namespace detail::amx;
-  unrolled<2 * NB>([&](auto i) { tile_load<decltype(i)::value>(ct + (2 * b0 + decltype(i)::value) * 256, 64); });
-  unrolled<NB>([&](auto i) {
-    constexpr int B = decltype(i)::value;
-    tile_load<4 + B>(at + (b0 + B) * 512, 64);
-    tile_load<6>(bt + (2 * (b0 + B)) * 512, 64);
-    tile_dpbf16<2 * B, 4 + B, 6>();
-    tile_load<7>(bt + (2 * (b0 + B) + 1) * 512, 64);
-    tile_dpbf16<2 * B + 1, 4 + B, 7>();
-  });
-  unrolled<2 * NB>([&](auto i) { tile_store<decltype(i)::value>(ct + (2 * b0 + decltype(i)::value) * 256, 64); });
+  unrolled<2 * NB>([&](auto i) { tile_zero<decltype(i)::value>(); });
+  for (int64_t st = 0; st < ns; ++st) {
+    const uint16_t* t = tiles + st * step_tiles * 512;
+    unrolled<NB>([&](auto i) { tile_load<4 + decltype(i)::value>(t + (a0 + b0 + decltype(i)::value) * 512, 64); });
+    unrolled<NB>([&](auto i) {
+      constexpr int B = decltype(i)::value;
+      tile_load<6>(t + (2 * (b0 + B)) * 512, 64);
+      tile_dpbf16<2 * B, 4 + B, 6>();
+      tile_load<7>(t + (2 * (b0 + B) + 1) * 512, 64);
+      tile_dpbf16<2 * B + 1, 4 + B, 7>();
+    });
+  }
+  unrolled<2 * NB>([&](auto i) { tile_store<decltype(i)::value>(cacc + (2 * b0 + decltype(i)::value) * 256, 64); });
 }
 #endif
 
@@ -491,9 +497,11 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
 #else
   const bool amx_v = false;
 #endif
-  // amx_v: B tiles of a step | its scales | A tiles per row tile and block | C tiles (1 KB each)
+  // amx_v: per step its B tiles and its A tiles per row tile and block | one step's scales | C tiles
   const int64_t nblk = hd / kQ8Block, nrt = (np + 15) / 16;
-  const int64_t v4_floats = amx_v ? (2 * nblk) * 256 + nblk * 32 + nrt * nblk * 256 + nrt * 2 * nblk * 256 + 64 : 0;
+  // steps of 32 keys: the segment's shared ones, and a tree row's own from the prefix on
+  const int64_t v4_steps = kAttnSegKeys / 32 + (a.tree ? np * ((tb + 31) / 32 + 1) : 0);
+  const int64_t v4_floats = amx_v ? v4_steps * (2 * nblk + nrt * nblk) * 256 + nblk * 32 + nrt * 2 * nblk * 256 + 64 : 0;
   float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats + v4_floats);
   float* tbuf = kvbuf + kb * hd;
   float* scores = tbuf + tb * hd;
@@ -579,11 +587,11 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   // The V pass on tiles (v4_btiles): the steps shared by every pair (keys from kbeg below the
   // shared keys rounded down to 32), then each tree row's own steps from there to its keys' end.
   auto v4_pass = [&]() {
-    uint16_t* bt = reinterpret_cast<uint16_t*>(v4);  // 2 · nblk tiles
-    float* sc = v4 + 2 * nblk * 256;                     // nblk × 32
-    uint16_t* at = reinterpret_cast<uint16_t*>(sc + nblk * 32);  // nrt × nblk tiles
-    float* cacc = sc + nblk * 32 + nrt * nblk * 256;     // nrt × 2 · nblk tiles
-    std::memset(cacc, 0, size_t(nrt * 2 * nblk * 256) * 4);
+    // per step: 2 · nblk B tiles, then nrt · nblk A tiles (1 KB each); the scales of one step; C
+    const int64_t step_tiles = 2 * nblk + nrt * nblk;
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(v4);
+    float* sc = v4 + v4_steps * step_tiles * 256;  // nblk × 32
+    float* cacc = sc + nblk * 32;                  // nrt × 2 · nblk C tiles
     const __m512i lut = v4_lut();
     const int64_t sh32 = n_sh & ~int64_t(31);  // shared steps end here (kbeg is a multiple of 256)
     // keys t of the step (j0 + t, t < n) that pair u attends: below its end, outside its gap
@@ -596,14 +604,19 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       for (int64_t t = g0 < 0 ? 0 : g0; t < g1 && t < 32; ++t) k &= ~(__mmask32(1) << t);
       return k;
     };
-    std::memset(at, 0, size_t(nrt * nblk * 512) * 2);  // rows past the last pair stay zero
-    auto step = [&](int64_t row, int64_t j0, int64_t n) {  // row -1: shared by every pair
+    int64_t ns = 0;  // steps staged
+    auto stage = [&](int64_t row, int64_t j0, int64_t n) {  // row -1: shared by every pair
       __mmask32 any = 0;
       for (int64_t u = 0; u < np; ++u) any |= step_mask(u, row, j0, n);
       if (!any) return;
+      uint16_t* bt = tiles + ns * step_tiles * 512;
+      uint16_t* at = bt + 2 * nblk * 512;
+      ++ns;
       v4_btiles(a, kvh, row < 0 ? 0 : row, j0, n, lut, bt, sc);
+      std::memset(at, 0, size_t(nrt * nblk * 512) * 2);  // pairs that do not attend: zero rows
       for (int64_t u = 0; u < np; ++u) {
         const __mmask32 k = step_mask(u, row, j0, n);
+        if (!k) continue;
         const __mmask16 k0 = __mmask16(k), k1 = __mmask16(k >> 16);
         const float* w = scores + u * sc_stride + j0;
         const __m512 w0 = _mm512_maskz_loadu_ps(k0, w), w1 = _mm512_maskz_loadu_ps(k1, w + 16);
@@ -614,24 +627,24 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
           _mm512_storeu_si512(arow + b * 512, v4_bf16x32(p0, p1));
         }
       }
-      for (int64_t rt = 0; rt < nrt; ++rt) {
-        float* ct = cacc + rt * 2 * nblk * 256;
-        const uint16_t* art = at + rt * nblk * 512;
-        int64_t b = 0;
-        for (; b + 2 <= nblk; b += 2) v4_tdp<2>(ct, art, bt, b);
-        if (b < nblk) v4_tdp<1>(ct, art, bt, b);
-      }
     };
     const int64_t sh_end = a.tree ? sh32 : n_sh;  // linear rows share every key
-    for (int64_t j0 = kbeg; j0 < sh_end; j0 += 32) step(-1, j0, (sh_end < j0 + 32 ? sh_end : j0 + 32) - j0);
+    for (int64_t j0 = kbeg; j0 < sh_end; j0 += 32) stage(-1, j0, (sh_end < j0 + 32 ? sh_end : j0 + 32) - j0);
     const int64_t t32 = sh32 > kbeg ? sh32 : kbeg;
     int64_t done_row = -1;
     for (int64_t u = 0; a.tree && u < np; ++u) {  // a row's pairs are consecutive
       if (row_of(u) == done_row) continue;
       done_row = row_of(u);
       const int64_t n = n_of(u);
-      for (int64_t j0 = t32; j0 < n; j0 += 32) step(done_row, j0, (n < j0 + 32 ? n : j0 + 32) - j0);
+      for (int64_t j0 = t32; j0 < n; j0 += 32) stage(done_row, j0, (n < j0 + 32 ? n : j0 + 32) - j0);
     }
+    // C tiles stay in registers through every step, two blocks (4 tiles) at a time
+    for (int64_t rt = 0; rt < nrt; ++rt)
+      for (int64_t b = 0; b < nblk; b += 2) {
+        const int64_t a0 = 2 * nblk + rt * nblk;
+        if (b + 2 <= nblk) v4_chains<2>(cacc + rt * 2 * nblk * 256, tiles, ns, step_tiles, a0, b);
+        else v4_chains<1>(cacc + rt * 2 * nblk * 256, tiles, ns, step_tiles, a0, b);
+      }
     for (int64_t u = 0; u < np; ++u) {  // C tiles -> accs in channel order
       const int64_t rt = u / 16, m = u % 16;
       for (int64_t b = 0; b < nblk; ++b)
