@@ -1,5 +1,10 @@
 """Attention over the BF16 cache per path, decode / verify / prefill shapes:
-`qspec bench attention [--model NAME|DIR] [--contexts 512,2048,8192] [--ms 1,5,9,16] [--paths avx512,amx]`.
+`qspec bench attention [--model NAME|DIR] [--contexts 512,2048,8192] [--ms 1,5,9,16] [--paths avx512,amx]
+[--draft-kv int8|int4]`.
+
+--draft-kv times the MX drafts' attention instead: over that draft copy of the cache (every whole
+page's INT4 K written, as a draft step past the prompt reads it; csrc/x86/attention_q8_impl.h),
+kv_gbps then counting the copy's bytes.
 
 For every usable path (`_C.attn_paths()`, or --paths) and context L, the rows of one step at
 positions L - M .. L - 1 (M = 1: decode; K + 1: a verify; --prefill adds M = L from position 0)
@@ -22,6 +27,7 @@ import numpy as np
 
 from .common import JsonWriter, fmt_table, llc_bytes, parent_parser, print_header, setup
 from qspec import _C
+from qspec.memory import PAGE_SIZE, draft_copy_of
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64, 30), "qwen2.5-coder-1.5b": (12, 2, 128, 28)}  # heads, kv, hd, layers
 
@@ -58,13 +64,19 @@ def run(args) -> list[dict]:
     probe = _C.ReadProbe(8 * llc_bytes(), threads)
     rows: list[dict] = []
     print(f"# model shape {label}: {heads} query heads, {kv_heads} KV heads, head_dim {hd}, {layers} layers; "
-          f"paths {', '.join(paths)}; {reps} reps", flush=True)
+          f"paths {', '.join(paths)}; {reps} reps; over " + (f"the {args.draft_kv} draft copy" if args.draft_kv
+                                                              else "the BF16 cache"), flush=True)
     with JsonWriter(args.json, {**ctx, "model": label}) as out:
         for L in contexts:
             layer_bytes = 2 * L * kv_heads * hd * 2
+            if args.draft_kv:  # values, scales (INT4 K: 3 bytes a channel a page) and flags per row
+                k_extra = 3 * hd / PAGE_SIZE if args.draft_kv == "int4" else hd / 32
+                layer_bytes = L * (kv_heads * (2 * hd * {"int8": 1, "int4": 0.5}[args.draft_kv] + k_extra + hd / 32) + 1)
             n_layers = max(2, min(layers, int(np.ceil(3 * llc_bytes() / layer_bytes))))  # from DRAM
-            kv = (rng.standard_normal((n_layers, 2, L + max(ms), kv_heads, hd), dtype=np.float32)
+            n_rows = -(-(L + max(ms)) // PAGE_SIZE) * PAGE_SIZE  # whole pages
+            kv = (rng.standard_normal((n_layers, 2, n_rows, kv_heads, hd), dtype=np.float32)
                   .view(np.uint32) >> 16).astype(np.uint16)
+            kw = {"q8": draft_copy_of(kv, args.draft_kv, L // PAGE_SIZE * PAGE_SIZE)} if args.draft_kv else {}
             cases = [(m, L - m) for m in ms if m <= L] + ([(L, 0)] if args.prefill else [])
             qs = {m: rng.standard_normal((m, heads, hd), dtype=np.float32) for m, _ in cases}
             times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in paths for m, _ in cases}
@@ -73,7 +85,7 @@ def run(args) -> list[dict]:
                 for m, start in cases:
                     for p in paths:
                         t0 = time.perf_counter()
-                        _C.attention(qs[m], kv, layer, start, path=p)
+                        _C.attention(qs[m], kv, layer, start, path=p, **kw)
                         dt = time.perf_counter() - t0
                         layer = (layer + 1) % n_layers
                         if r:
@@ -88,10 +100,10 @@ def run(args) -> list[dict]:
                     row = {"path": p, "context": L, "m": m, "ms_per_step": s * layers * 1e3,
                            "a(M)": s / one, "gflops": 4 * pair_keys * hd / s / 1e9,
                            "kv_gbps": layer_bytes / s / 1e9, "read_gbps": gbps,
-                           f"vs_{paths[0]}": s / base[m], "synthetic": True}
+                           f"vs_{paths[0]}": s / base[m], "draft_kv": args.draft_kv or "bf16", "synthetic": True}
                     rows.append(row)
                     out.write(row)
-            del kv
+            del kv, kw
     print(fmt_table(rows, ["path", "context", "m", "ms_per_step", "a(M)", "gflops", "kv_gbps", "read_gbps",
                            f"vs_{paths[0]}"]))
     return rows
@@ -108,6 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--paths", type=csv(str), default=None, help="comma list of paths (default: every fast path usable here)")
     ap.add_argument("--prefill", action="store_true", help="add M = L rows from position 0 (a whole prompt)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7, --quick 3)")
+    ap.add_argument("--draft-kv", choices=["int8", "int4"], default=None,
+                    help="attend over this draft copy of the cache (the MX drafts' attention) instead of BF16")
     args = ap.parse_args(argv)
     for name in ("contexts", "ms"):
         if any(v < 1 for v in getattr(args, name) or []):

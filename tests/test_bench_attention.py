@@ -28,8 +28,28 @@ def test_attention_quick_reports_every_path_and_a_of_m(tmp_path):
         assert a[300] > a[3] > 0
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_attention_over_the_draft_copy(tmp_path, fmt):
+    out = tmp_path / "attn.jsonl"
+    threads = _C.get_num_threads()
+    try:
+        attention.main(["--quick", "--contexts", "300", "--ms", "1,2", "--reps", "2", "--draft-kv", fmt,
+                        "--json", str(out)])
+    finally:
+        _C.set_num_threads(threads)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    paths = [p for p in _C.attn_paths() if p != "ref"] or ["ref"]
+    assert {(r["path"], r["m"]) for r in rows} == {(p, m) for p in paths for m in (1, 2)}
+    # the bytes counted are the copy's: under 30% / 55% of the BF16 rows' (2 K/V x 300 x 2 heads x 128 x 2)
+    bf16_bytes = 2 * 300 * 2 * 128 * 2
+    for r in rows:
+        assert r["draft_kv"] == fmt and r["ms_per_step"] > 0
+        assert r["kv_gbps"] * r["ms_per_step"] / 28 * 1e-3 * 1e9 < bf16_bytes * (0.3 if fmt == "int4" else 0.55)
+
+
 @pytest.mark.parametrize("args,word", [(["--paths", "avx9"], "avx9"), (["--ms", "0"], "--ms"),
-                                       (["--contexts", "1,-4"], "--contexts"), (["--reps", "0"], "--reps")])
+                                       (["--contexts", "1,-4"], "--contexts"), (["--reps", "0"], "--reps"),
+                                       (["--draft-kv", "int2"], "--draft-kv")])
 def test_bad_attention_flags_are_one_error(args, word, capsys):
     with pytest.raises(SystemExit) as e:
         attention.main(args)

@@ -19,6 +19,7 @@ import qspec
 import qspec.mx
 from running import running
 from qspec import _C
+from qspec.memory import draft_copy_of
 from qspec.synthetic import save_model_dir, synthetic_config, synthetic_weights
 
 PATHS = _C.attn_paths()
@@ -111,22 +112,8 @@ def quantize_copy(kv, fmt, final=None):
     """The draft copy `fmt` of BF16 rows [layers, 2, rows, kv_heads, head_dim] as qspec/kv_cache.py
     holds it: (K values, V values, K scales, V scales, flags). INT4: the K groups of GROUP rows
     below row `final` (default: all but the last whole group) are written and flagged."""
-    layers, _, rows, kvh, hd = kv.shape
-    flags = np.zeros((1, 1, rows, 1, 1), np.uint8)
-    if fmt == "int8":
-        (qk, ek), (qv, ev) = (_C.kv_q8_quantize(np.ascontiguousarray(kv[:, i:i + 1])) for i in (0, 1))
-        return qk, qv, ek, ev, flags
-    qv, ev = _C.kv_q4_quantize(np.ascontiguousarray(kv[:, 1:]))
-    qk = np.zeros((layers, 1, rows, kvh, hd // 2), np.int8)
-    ek = np.zeros((layers, 1, rows, kvh, 3 * hd // GROUP), np.uint8)
-    final = (rows // GROUP - 1) * GROUP if final is None else final
-    for g0 in range(0, final - GROUP + 1, GROUP):
-        x = np.ascontiguousarray(kv[:, 0, g0:g0 + GROUP]).reshape(layers, GROUP, kvh * hd)
-        packed, params = _C.kv_k4_group(x, hd)
-        qk[:, 0, g0:g0 + GROUP] = packed.reshape(layers, GROUP, kvh, hd // 2)
-        ek[:, 0, g0:g0 + GROUP] = params.reshape(layers, GROUP, kvh, -1)  # the group's bytes, row by row
-        flags[0, 0, g0] = 1
-    return qk, qv, ek, ev, flags
+    rows = kv.shape[2]
+    return draft_copy_of(kv, fmt, (rows // GROUP - 1) * GROUP if final is None else final, GROUP)
 
 
 def dequant_k4(qk, ek, flags, kv_k):
