@@ -320,7 +320,7 @@ def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 96)])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 4, 96), (8, 1, 256)])
 @pytest.mark.parametrize("start_pos,m", [(0, 1), (37, 5), (255, 2), (700, 17), (1300, 1)])
 def test_kernel_against_f64(path, shape, start_pos, m, fmt):
     n_heads, kv_heads, hd = shape
