@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 from .common import JsonWriter, fmt_table, llc_bytes, parent_parser, print_header, setup
 from qspec import _C
-from qspec.memory import PAGE_SIZE, draft_copy_of
+from qspec.memory import PAGE_SIZE, draft_copy_arrays, draft_copy_of
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64, 30), "qwen2.5-coder-1.5b": (12, 2, 128, 28)}  # heads, kv, hd, layers
 
@@ -69,9 +70,9 @@ def run(args) -> list[dict]:
     with JsonWriter(args.json, {**ctx, "model": label}) as out:
         for L in contexts:
             layer_bytes = 2 * L * kv_heads * hd * 2
-            if args.draft_kv:  # values, scales (INT4 K: 3 bytes a channel a page) and flags per row
-                k_extra = 3 * hd / PAGE_SIZE if args.draft_kv == "int4" else hd / 32
-                layer_bytes = L * (kv_heads * (2 * hd * {"int8": 1, "int4": 0.5}[args.draft_kv] + k_extra + hd / 32) + 1)
+            if args.draft_kv:  # the copy's bytes of one layer: values, scales and flags per position
+                one_layer = SimpleNamespace(n_layers=1, n_kv_heads=kv_heads, head_dim=hd)
+                layer_bytes = L * sum(int(np.prod(shape)) for shape, _ in draft_copy_arrays(one_layer, args.draft_kv, 1))
             n_layers = max(2, min(layers, int(np.ceil(3 * llc_bytes() / layer_bytes))))  # from DRAM
             n_rows = -(-(L + max(ms)) // PAGE_SIZE) * PAGE_SIZE  # whole pages
             kv = (rng.standard_normal((n_layers, 2, n_rows, kv_heads, hd), dtype=np.float32)

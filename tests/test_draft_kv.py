@@ -116,6 +116,13 @@ def quantize_copy(kv, fmt, final=None):
     return draft_copy_of(kv, fmt, (rows // GROUP - 1) * GROUP if final is None else final, GROUP)
 
 
+def k4_group_params(params):
+    """A K group's per-head bytes [..., 3 * head_dim] (kv_k4_group) -> centers (float32), scales (float64)."""
+    hd = params.shape[-1] // 3
+    center = f32(params[..., 0:2 * hd:2].astype(np.uint16) | params[..., 1:2 * hd:2].astype(np.uint16) << 8)
+    return center, q4_scale(params[..., 2 * hd:])
+
+
 def dequant_k4(qk, ek, flags, kv_k):
     """Values of an INT4 K copy [layers, 1, rows, kvh, hd] (float64): a flagged group's center +
     q * scale, the BF16 rows kv_k elsewhere."""
@@ -123,9 +130,7 @@ def dequant_k4(qk, ek, flags, kv_k):
     hd = 2 * hd2
     out = f32(kv_k).astype(np.float64)
     for g0 in np.flatnonzero(flags[0, 0, :, 0, 0]):
-        params = ek[:, 0, g0:g0 + GROUP].reshape(layers, kvh, 3 * hd)
-        center = f32(params[..., 0:2 * hd:2].astype(np.uint16) | params[..., 1:2 * hd:2].astype(np.uint16) << 8)
-        scale = q4_scale(params[..., 2 * hd:])
+        center, scale = k4_group_params(ek[:, 0, g0:g0 + GROUP].reshape(layers, kvh, 3 * hd))
         b = qk[:, 0, g0:g0 + GROUP].view(np.uint8).astype(np.int64)
         nib = np.stack([b & 15, b >> 4], axis=-1).reshape(layers, GROUP, kvh, hd)
         out[:, 0, g0:g0 + GROUP] = center[:, None] + (nib - ((nib & 8) << 1)) * scale[:, None]
@@ -277,9 +282,8 @@ def k4_int_scores(qv, qk, ek, flags, layer, kh, keys):
     for g0 in np.unique(keys // GROUP * GROUP):
         if not flags[0, 0, g0, 0, 0]:
             continue
-        params = ek[layer, 0, g0:g0 + GROUP].reshape(-1, 3 * hd)[kh]
-        center = f32(params[0:2 * hd:2].astype(np.uint16) | params[1:2 * hd:2].astype(np.uint16) << 8)
-        qp = qv.astype(np.float32) * q4_scale(params[2 * hd:]).astype(np.float32)
+        center, scale = k4_group_params(ek[layer, 0, g0:g0 + GROUP].reshape(-1, 3 * hd)[kh])
+        qp = qv.astype(np.float32) * scale.astype(np.float32)
         amax = np.abs(qp).max()
         sel = keys // GROUP * GROUP == g0
         if not np.isfinite(qp).all():

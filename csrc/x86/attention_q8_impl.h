@@ -502,7 +502,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   // steps of 32 keys: the segment's shared ones, and a tree row's own from the prefix on
   const int64_t v4_steps = kAttnSegKeys / 32 + (a.tree ? np * ((tb + 31) / 32 + 1) : 0);
   const int64_t v4_floats = amx_v ? v4_steps * (2 * nblk + nrt * nblk) * 256 + nblk * 32 + nrt * 2 * nblk * 256 + 64 : 0;
-  float* kvbuf = attn_thread_scratch(kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats + v4_floats);
+  const int64_t base_floats = kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64;
+  float* kvbuf = attn_thread_scratch(base_floats + k4_floats + v4_floats);
   float* tbuf = kvbuf + kb * hd;
   float* scores = tbuf + tb * hd;
   float* accs = scores + np * sc_stride;
@@ -511,8 +512,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   int16_t* kub = reinterpret_cast<int16_t*>(stat + np * 8);  // (kb + tb) rows of head_dim int16
   int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hd);  // kb + tb
   int16_t* qtab = reinterpret_cast<int16_t*>(kgrp + kb + tb);  // np rows of head_dim int16
-  float* v4 = reinterpret_cast<float*>(kvbuf) + (kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64 + k4_floats);
-  v4 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v4) + 63) & ~uintptr_t(63));
+  float* v4 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kvbuf + base_floats + k4_floats) + 63) &
+                                       ~uintptr_t(63));  // amx_v's tiles, 64-byte aligned
 #ifdef QSPEC_Q8_AVX512
   static_assert(sizeof(K4Table) <= 8 * sizeof(float), "k4_floats: 8 floats a table");
   K4Table* ktab = reinterpret_cast<K4Table*>(qtab + np * hd);  // np
@@ -523,13 +524,15 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   auto k4_dot8 = [&](int64_t u, const float* fb, const int16_t* ub, const int64_t* g) {
     K4Table& tab = ktab[u];
     int16_t* qi = qtab + u * hd;
+    auto table_for = [&](int64_t group) {  // pair u's table for this group (kept while it repeats)
+      if (tab.group == group) return;
+      if (pg != group) k4_params(a, kvh, pg = group, pcen, pscl);
+      k4_table(qs + u * hd, pcen, pscl, hd, group, tab, qi);
+    };
     bool one = g[0] >= 0;  // the usual block: 8 written keys of one group (a page)
     for (int t = 1; t < 8; ++t) one &= g[t] == g[0];
     if (one) {
-      if (tab.group != g[0]) {
-        if (pg != g[0]) k4_params(a, kvh, pg = g[0], pcen, pscl);
-        k4_table(qs + u * hd, pcen, pscl, hd, g[0], tab, qi);
-      }
+      table_for(g[0]);
       __m512i acc[8];
       for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_si512();
       for (int64_t c = 0; c < hd; c += 32) {
@@ -552,10 +555,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         dl[t] = ql[t] = 0.f;
         continue;
       }
-      if (tab.group != g[t]) {
-        if (pg != g[t]) k4_params(a, kvh, pg = g[t], pcen, pscl);
-        k4_table(qs + u * hd, pcen, pscl, hd, g[t], tab, qi);
-      }
+      table_for(g[t]);
       acc[t] = k4_dot(ub + t * hd, qi, hd);
       dl[t] = tab.delta;
       ql[t] = tab.qc;
