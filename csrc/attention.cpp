@@ -69,17 +69,20 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
 }
 
-// As attn_row_head_ref over the draft copy (kv_q8.h; INT4 V rows are in the rotated basis, so the
-// output is rotated back): the same sequence over the dequantized values.
+// As attn_row_head_ref over the draft copy (kv_q8.h; INT4 V rows are in the rotated basis, so their
+// sum is rotated back): the same sequence over the dequantized values, the BF16 rows from
+// attn_recent_lo on (their V summed apart, in the plain basis).
 void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores) {
   const int64_t hd = head_dim_of(a);
   const int64_t kvh = h / (a.n_heads / a.kv.kv_heads);
   const int64_t p = attn_row_pos(a, i);
   const float* q = a.q + (i * a.n_heads + h) * hd;
   float* out = a.out + (i * a.n_heads + h) * hd;
+  const int64_t recent = attn_recent_lo(a, i);
   auto value = [&](int kv_index, int64_t j, int64_t d) {
     const int64_t slot = attn_key_slot(a, i, j);
     const int64_t c = kvh * hd + d;
+    if (j >= recent) return bf16_to_f32((kv_index ? a.kv.v(a.layer, slot) : a.kv.k(a.layer, slot))[c]);
     const int8_t* row = a.kv.q8_row(a.layer, kv_index, slot);
     const float q4 = float(kv_q4_value(uint8_t(row[c / 2]) >> (4 * (c & 1)) & 15));
     if (kv_index == 0 && a.kv.k_bits == 4) {  // its group's copy once written, else the BF16 row
@@ -108,11 +111,12 @@ void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores
     scores[j] = std::exp(scores[j] - max_s);
     sum += scores[j];
   }
+  std::vector<float> plain(size_t(hd), 0.f);  // the recent keys' V sums
   for (int64_t d = 0; d < hd; ++d) out[d] = 0.f;
   for (int64_t j = first; j <= p; j = next(j))
-    for (int64_t d = 0; d < hd; ++d) out[d] += scores[j] * value(1, j, d);
-  for (int64_t d = 0; d < hd; ++d) out[d] /= sum;
+    for (int64_t d = 0; d < hd; ++d) (j >= recent ? plain[d] : out[d]) += scores[j] * value(1, j, d);
   if (a.kv.v_bits == 4) kv_unrotate(out, hd, kv_rot_size(hd));
+  for (int64_t d = 0; d < hd; ++d) out[d] = (out[d] + plain[d]) / sum;
 }
 
 AttnTreePaths::AttnTreePaths(int64_t prefix, const int64_t* parents, int64_t n_parents,
@@ -173,6 +177,7 @@ const char* attn_path_name(AttnPath p) {
 bool attn_supports(AttnPath p, const AttnArgs& a) {
   if (a.draft_q8 && (!a.kv.q8k || !a.kv.q8v || !a.kv.k_scale || a.kv.head_dim % kQ8Block != 0)) return false;
   if (a.sink_keys < 0 || a.sink_keys > kAttnSegKeys || (a.sink_keys > 0 && !a.draft_q8)) return false;
+  if (a.recent_keys < 0 || (a.recent_keys > 0 && !a.draft_q8)) return false;
   switch (p) {
     case AttnPath::ref: return true;
     case AttnPath::avx2: return int(isa_selected()) >= int(Isa::avx2) && a.kv.head_dim % 8 == 0;
@@ -489,7 +494,7 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
                                 std::optional<std::pair<int64_t, py::object>> tree, int64_t window,
                                 std::optional<py::tuple> q8,
                                 std::optional<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> pages,
-                                int64_t page_size, int64_t sinks) {
+                                int64_t page_size, int64_t sinks, int64_t recent) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -552,6 +557,9 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
     throw std::invalid_argument("attention: sinks must be in [0, " + std::to_string(kAttnSegKeys) +
                                 "] and need q8 (the draft copy)");
   a.sink_keys = sinks;
+  if (recent < 0 || (recent > 0 && !a.draft_q8))
+    throw std::invalid_argument("attention: recent must be >= 0 and needs q8 (the draft copy)");
+  a.recent_keys = recent;
   AttnPath p = path ? attn_path_from_name(*path) : attn_choose(a);
   if (!attn_supports(p, a))
     throw std::invalid_argument(std::string("attention: path '") + attn_path_name(p) +
@@ -576,6 +584,7 @@ void bind_attention(py::module_& m) {
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
         py::arg("tree") = py::none(), py::arg("window") = 0, py::arg("q8") = py::none(),
         py::arg("pages") = py::none(), py::arg("page_size") = 0, py::arg("sinks") = 0,
+        py::arg("recent") = 0,
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
@@ -584,7 +593,8 @@ void bind_attention(py::module_& m) {
         "five arrays (qspec/kv_cache.py: K values, V values, K scales, V scales, page flags): attend over it "
         "instead of kv's BF16 rows; "
         "pages (int32) with page_size: a paged cache, position p in pool row pages[p / page_size] * "
-        "page_size + p % page_size; sinks (with q8 and a window): keys 0 .. sinks - 1 are attended too");
+        "page_size + p % page_size; sinks (with q8 and a window): keys 0 .. sinks - 1 are attended too; "
+        "recent (with q8): a row at position p reads keys p - recent + 1 .. p from kv's BF16 rows");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

@@ -296,11 +296,11 @@ def k4_int_scores(qv, qk, ek, flags, layer, kh, keys):
     return out
 
 
-def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None):
+def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None, recent=0, kv=None):
     """Causal GQA attention in float64 over given K/V values [layers, 2, seq, kvh, hd]; with a
     window, a row at p attends keys p - window + 1 .. p and keys 0 .. sinks - 1. int_k = an INT4
     copy (K values, V values, K scales, V scales, flags): written groups' keys scored as
-    k4_int_scores."""
+    k4_int_scores. recent: keys p - recent + 1 .. p take their values from the BF16 rows kv."""
     m, h, hd = q.shape
     kvh = vals.shape[3]
     out = np.empty((m, h, hd))
@@ -309,12 +309,17 @@ def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None):
         keys = np.arange(p + 1)
         if window:
             keys = keys[(keys > p - window) | (keys < sinks)]
-        k = np.repeat(vals[layer, 0, keys], h // kvh, axis=1)
-        v = np.repeat(vals[layer, 1, keys], h // kvh, axis=1)
+        row_vals = vals[layer, :, keys].swapaxes(0, 1)  # [2, keys, kvh, hd]
+        if recent:
+            row_vals = np.where((keys > p - recent)[None, :, None, None], f32(kv[layer, :, keys].swapaxes(0, 1)),
+                                row_vals)
+        k = np.repeat(row_vals[0], h // kvh, axis=1)
+        v = np.repeat(row_vals[1], h // kvh, axis=1)
         s = np.einsum("hd,jhd->hj", q[i].astype(np.float64), k)
         if int_k is not None:
             for hh in range(h):
                 si = k4_int_scores(q[i, hh], int_k[0], int_k[2], int_k[4], layer, hh // (h // kvh), keys)
+                si[keys > p - recent] = np.nan  # recent keys: their BF16 rows, as the values
                 s[hh] = np.where(np.isnan(si), s[hh], si)
         s /= np.sqrt(hd)
         w = np.exp(s - s.max(axis=1, keepdims=True))
@@ -361,6 +366,63 @@ def test_window_and_sinks_against_f64(path, window, sinks, start_pos, m, fmt):
     for i in (0, m - 1):  # a row alone: the same bits
         one = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, q8=q8, window=window, sinks=sinks)
         np.testing.assert_array_equal(one[0], got[i])
+
+
+# The latest keys of each row from the BF16 rows (csrc/attention.h recent_keys): alone, with a
+# window and sinks, and past a segment's end (rows whose recent keys span two segments).
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("recent,window,sinks", [(1, 0, 0), (37, 0, 0), (256, 0, 0), (300, 0, 0), (64, 300, 16),
+                                                 (2000, 0, 0)])
+@pytest.mark.parametrize("start_pos,m", [(0, 3), (50, 1), (700, 9), (1300, 2)])
+def test_recent_keys_against_f64(path, recent, window, sinks, start_pos, m, fmt):
+    kv, q8 = make_cache(start_pos + m + 3, 2, 64, seed=11, fmt=fmt, final=(start_pos + m) // GROUP * GROUP)
+    q = np.random.default_rng(12).standard_normal((m, 6, 64)).astype(np.float32)
+    got = _C.attention(q, kv, 1, start_pos, path=path, q8=q8, window=window, sinks=sinks, recent=recent)
+    vals = dequant_copy(kv, *q8)
+    want = attention_f64(q, vals, 1, start_pos, window, sinks, recent=recent, kv=kv,
+                         int_k=q8 if fmt == "int4" and path in INT_K_PATHS else None)
+    np.testing.assert_allclose(got, want, **copy_tol(path, fmt, vals))
+    for i in (0, m - 1):  # a row alone: the same bits
+        one = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, q8=q8, window=window, sinks=sinks,
+                           recent=recent)
+        np.testing.assert_array_equal(one[0], got[i])
+    if start_pos + m > recent:  # some keys still come from the copy
+        assert not np.array_equal(got, _C.attention(q, kv, 1, start_pos, path=path, q8=q8, window=window,
+                                                    sinks=sinks))
+    else:  # every key is recent: the BF16 rows' attention, within FP32
+        np.testing.assert_allclose(got, _C.attention(q, kv, 1, start_pos, path=path), **TOL_F32_VS_F64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", PATHS)
+def test_recent_keys_tree_rows_equal_linear_path(path, fmt):
+    prefix, parents = 290, [-1, 290, 290, 291, 293, 292]
+    m = len(parents)
+    kv, q8 = make_cache(prefix + m + 8, 2, 64, seed=13, fmt=fmt, final=prefix // GROUP * GROUP)
+    q = np.random.default_rng(14).standard_normal((m, 4, 64)).astype(np.float32)
+    for recent in (3, 40):
+        got = _C.attention(q, kv, 0, prefix, path=path, tree=(prefix, parents), q8=q8, recent=recent)
+        for i in range(m):
+            path_slots, s = [], prefix + i
+            while s != -1:
+                path_slots.insert(0, s)
+                s = parents[s - prefix]
+            lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
+            for j, slot in enumerate(path_slots):
+                for a, b in zip((lin_kv, *lin_q8[:4]), (kv, *q8[:4])):
+                    a[:, :, prefix + j] = b[:, :, slot]
+            lin = _C.attention(q[i:i + 1], lin_kv, 0, prefix + len(path_slots) - 1, path=path, q8=lin_q8,
+                               recent=recent)
+            np.testing.assert_array_equal(got[i], lin[0])
+
+
+def test_recent_keys_need_the_copy():
+    kv, q8 = make_cache(40, 2, 64)
+    q = np.zeros((1, 4, 64), np.float32)
+    for kw in (dict(recent=4), dict(q8=q8, recent=-1)):
+        with pytest.raises(ValueError, match="recent"):
+            _C.attention(q, kv, 0, 30, **kw)
 
 
 def test_sinks_need_the_copy_and_fit_a_segment():

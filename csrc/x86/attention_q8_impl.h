@@ -134,16 +134,21 @@ inline void k4_row(const int8_t* q, const float* cen, const float* scl, int64_t 
 }
 
 // Logical keys [j0, j0 + nk) of query row `row` (cache slots by attn_key_slot), KV head kvh,
-// K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1; rows nk..nfill-1 are zeroed.
+// K (kv_index 0) or V (1), dequantized into dst rows 0..nk-1 (keys from bf_from on: their BF16
+// rows, the row's recent keys); rows nk..nfill-1 are zeroed.
 template <class T>
 void q8_dequant(const AttnArgs& a, int kv_index, int64_t kvh, int64_t row, int64_t j0, int64_t nk,
-                int64_t nfill, float* dst) {
+                int64_t nfill, int64_t bf_from, float* dst) {
   const int64_t hd = a.kv.head_dim;
   const bool k4 = kv_index == 0 && a.kv.k_bits == 4;
   alignas(64) float cen[512], scl[512];  // k4: the current group's params (head_dim <= 512)
   int64_t cur = -1;
   for (int64_t t = 0; t < nk; ++t) {
     const int64_t slot = attn_key_slot(a, row, j0 + t);
+    if (j0 + t >= bf_from) {
+      bf16_row_f32((kv_index ? a.kv.v(a.layer, slot) : a.kv.k(a.layer, slot)) + kvh * hd, hd, dst + t * hd);
+      continue;
+    }
     if (k4) {
       const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
       if (!a.kv.k_final[g]) {  // the group's copy is not written yet: the BF16 row
@@ -289,16 +294,16 @@ inline __m256i k4_sum8(const __m512i* acc) {
 }
 
 // K of logical keys [j0, j0 + nk) of query row `row`, KV head kvh, for k4_dot8: a written group's
-// key unpacked into ub (row t at t * hd) with grp[t] = its group row; any other key's BF16 row in
-// fb (row t at t * hd) with grp[t] = -1. Rows nk .. nfill - 1 get grp -2 (dropped lanes). In an
+// key below bf_from unpacked into ub (row t at t * hd) with grp[t] = its group row; any other
+// key's BF16 row in fb (row t at t * hd) with grp[t] = -1. Rows nk .. nfill - 1 get grp -2 (dropped lanes). In an
 // 8-key block with a BF16 row the other rows of fb are zeroed (its FP32 dots read all 8).
 inline void k4_prepare(const AttnArgs& a, int64_t kvh, int64_t row, int64_t j0, int64_t nk, int64_t nfill,
-                       float* fb, int16_t* ub, int64_t* grp) {
+                       int64_t bf_from, float* fb, int16_t* ub, int64_t* grp) {
   const int64_t hd = a.kv.head_dim;
   for (int64_t t = 0; t < nk; ++t) {
     const int64_t slot = attn_key_slot(a, row, j0 + t);
     const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
-    if (a.kv.k_final[g]) {
+    if (a.kv.k_final[g] && j0 + t < bf_from) {
       grp[t] = g;
       k4_unpack(a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2, hd, ub + t * hd);
     } else {
@@ -476,8 +481,13 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   const int64_t kbeg = seg * kAttnSegKeys, kcap = kbeg + kAttnSegKeys;
   const int64_t n_max = attn_unit_keys(a, u0, u1, seg);
   if (n_max <= kbeg) return;
-  // keys [kbeg, n_sh) are shared by every pair; a tree row's keys [t0, n) are its own
-  const int64_t n_sh = attn_shared_end(a, n_max);
+  // Keys [kbeg, n_sh) are shared by every pair; a row's keys [t0, n) are its own: a tree row's
+  // past the shared prefix, and with recent keys (AttnArgs::recent_keys, read from the BF16 rows
+  // from attn_recent_lo on) every row's from the first pair's recent ones rounded down to 8.
+  const bool own = a.tree || a.recent_keys > 0;
+  int64_t n_sh = attn_shared_end(a, n_max);
+  for (int64_t r = u0 / G; a.recent_keys > 0 && r <= (u1 - 1) / G; ++r)
+    n_sh = (attn_recent_lo(a, r) & ~int64_t(7)) < n_sh ? attn_recent_lo(a, r) & ~int64_t(7) : n_sh;
   const int64_t t0 = n_sh > kbeg ? n_sh : kbeg;
   const int64_t tb = n_max > t0 ? q8_round8(n_max - t0) : 0;
   const int64_t sc_stride = q8_round8(n_max) + 8;
@@ -489,7 +499,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
 #else
   const bool int_k = false;
 #endif
-  // scratch: FP32 K/V block | tree tail | scores | V accumulators | q | running max, then Σ;
+  // scratch: FP32 K/V block | own keys | scores | V accumulators | the recent keys' V sums (in
+  // the plain basis) | q | running max, then Σ, then whether there were recent keys;
   // int_k: unpacked K rows of the block and the tail (int16) | their groups | per pair a table
   const int64_t k4_floats = int_k ? ((kb + tb) * hd + np * hd) / 2 + 2 * (kb + tb) + 8 * np + 16 : 0;
 #ifdef QSPEC_Q8_AMX
@@ -500,15 +511,16 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   // amx_v: per step its B tiles and its A tiles per row tile and block | one step's scales | C tiles
   const int64_t nblk = hd / kQ8Block, nrt = (np + 15) / 16;
   // steps of 32 keys: the segment's shared ones, and a tree row's own from the prefix on
-  const int64_t v4_steps = kAttnSegKeys / 32 + (a.tree ? np * ((tb + 31) / 32 + 1) : 0);
+  const int64_t v4_steps = kAttnSegKeys / 32 + (own ? np * ((tb + 31) / 32 + 1) : 0);
   const int64_t v4_floats = amx_v ? v4_steps * (2 * nblk + nrt * nblk) * 256 + nblk * 32 + nrt * 2 * nblk * 256 + 64 : 0;
-  const int64_t base_floats = kb * hd + tb * hd + np * (sc_stride + 2 * hd + 8) + 64;
+  const int64_t base_floats = kb * hd + tb * hd + np * (sc_stride + 3 * hd + 8) + 64;
   float* kvbuf = attn_thread_scratch(base_floats + k4_floats + v4_floats);
   float* tbuf = kvbuf + kb * hd;
   float* scores = tbuf + tb * hd;
   float* accs = scores + np * sc_stride;
-  float* qs = accs + np * hd;
-  float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max}
+  float* raccs = accs + np * hd;
+  float* qs = raccs + np * hd;
+  float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max, recent summed}
   int16_t* kub = reinterpret_cast<int16_t*>(stat + np * 8);  // (kb + tb) rows of head_dim int16
   int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hd);  // kb + tb
   int16_t* qtab = reinterpret_cast<int16_t*>(kgrp + kb + tb);  // np rows of head_dim int16
@@ -575,11 +587,12 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   auto gap_of = [&](int64_t u) { return attn_gap_lo(a, row_of(u)); };
   auto live = [&](int64_t u) { return n_of(u) > kbeg && (kbeg < gap_of(u) || n_of(u) > lo_of(u)); };
   auto in_gap = [&](int64_t u, int64_t b0, int64_t e) { return b0 >= gap_of(u) && e <= lo_of(u); };
+  auto rec_of = [&](int64_t u) { return attn_recent_lo(a, row_of(u)); };  // its BF16 keys from here
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) {
     const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
-    for (int64_t d = 0; d < hd; ++d) qs[u * hd + d] = q[d], accs[u * hd + d] = 0.f;
+    for (int64_t d = 0; d < hd; ++d) qs[u * hd + d] = q[d], accs[u * hd + d] = raccs[u * hd + d] = 0.f;
     _mm256_storeu_ps(stat + u * 8, _mm256_set1_ps(-INFINITY));
   }
 
@@ -597,7 +610,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     // keys t of the step (j0 + t, t < n) that pair u attends: below its end, outside its gap
     auto step_mask = [&](int64_t u, int64_t row, int64_t j0, int64_t n) -> __mmask32 {
       if (!live(u) || (row >= 0 && row_of(u) != row)) return 0;
-      const int64_t e = n_of(u) - j0 < n ? n_of(u) - j0 : n;
+      const int64_t end = n_of(u) < rec_of(u) ? n_of(u) : rec_of(u);  // the copy's keys end here
+      const int64_t e = end - j0 < n ? end - j0 : n;
       if (e <= 0) return 0;
       __mmask32 k = e >= 32 ? ~__mmask32(0) : __mmask32((uint32_t(1) << e) - 1);
       const int64_t g0 = gap_of(u) - j0, g1 = lo_of(u) - j0;  // [g0, g1) not attended
@@ -628,14 +642,14 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         }
       }
     };
-    const int64_t sh_end = a.tree ? sh32 : n_sh;  // linear rows share every key
+    const int64_t sh_end = own ? sh32 : n_sh;  // linear rows without recent keys share every key
     for (int64_t j0 = kbeg; j0 < sh_end; j0 += 32) stage(-1, j0, (sh_end < j0 + 32 ? sh_end : j0 + 32) - j0);
     const int64_t t32 = sh32 > kbeg ? sh32 : kbeg;
     int64_t done_row = -1;
-    for (int64_t u = 0; a.tree && u < np; ++u) {  // a row's pairs are consecutive
+    for (int64_t u = 0; own && u < np; ++u) {  // a row's pairs are consecutive
       if (row_of(u) == done_row) continue;
       done_row = row_of(u);
-      const int64_t n = n_of(u);
+      const int64_t n = n_of(u) < rec_of(u) ? n_of(u) : rec_of(u);
       for (int64_t j0 = t32; j0 < n; j0 += 32) stage(done_row, j0, (n < j0 + 32 ? n : j0 + 32) - j0);
     }
     // C tiles stay in registers through every step, two blocks (4 tiles) at a time
@@ -663,18 +677,14 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
                                      avx2::hmax(_mm256_loadu_ps(stat + u * 8)));
         stat[u * 8] = q8_exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, m);
         stat[u * 8 + 1] = m;
+        stat[u * 8 + 2] = 0.f;  // no recent keys summed yet
       }
     // blk: the block's FP32 rows from key jb on (int_k K: k4_prepare's, with ub and g)
-#ifdef QSPEC_Q8_AMX
-    if (kv_index == 1 && amx_v) {
-      v4_pass();
-      break;
-    }
-#endif
+    // scores (K) or V sums into vsum (V) of pair u over keys [j0, e) of blk (row j - jb: key j)
     auto run = [&](int64_t u, const float* blk, const int16_t* ub, const int64_t* g, int64_t jb, int64_t j0,
-                   int64_t e) {
+                   int64_t e, float* vsum) {
       if (kv_index == 1) {
-        q8_v_keys<T>(scores + u * sc_stride, blk, hd, jb, j0, e, accs + u * hd);
+        q8_v_keys<T>(scores + u * sc_stride, blk, hd, jb, j0, e, vsum + u * hd);
         return;
       }
       __m256 vmax = _mm256_loadu_ps(stat + u * 8);
@@ -689,13 +699,45 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       }
       _mm256_storeu_ps(stat + u * 8, vmax);
     };
-    // K or V of keys [j0, j0 + nk) of `row` into fb (int_k K: with ub and g), zero-filled to nfill
-    auto load = [&](int64_t row, int64_t j0, int64_t nk, int64_t nfill, float* fb, int16_t* ub, int64_t* g) {
+    // K or V of keys [j0, j0 + nk) of `row` into fb (int_k K: with ub and g), zero-filled to nfill;
+    // keys from bf_from on from the BF16 rows
+    auto load = [&](int64_t row, int64_t j0, int64_t nk, int64_t nfill, int64_t bf_from, float* fb, int16_t* ub,
+                    int64_t* g) {
 #ifdef QSPEC_Q8_AVX512
-      if (int_k && kv_index == 0) return k4_prepare(a, kvh, row, j0, nk, nfill, fb, ub, g);
+      if (int_k && kv_index == 0) return k4_prepare(a, kvh, row, j0, nk, nfill, bf_from, fb, ub, g);
 #endif
-      q8_dequant<T>(a, kv_index, kvh, row, j0, nk, nfill, fb);
+      q8_dequant<T>(a, kv_index, kvh, row, j0, nk, nfill, bf_from, fb);
     };
+    // Each row's own keys [t0, n) (recent_only: its recent keys only), loaded once per row (a row's
+    // pairs are consecutive): K scores, or V sums: the copy's keys into accs, the recent keys'
+    // BF16 rows into raccs (stat[u * 8 + 2] set).
+    auto own_keys = [&](bool recent_only) {
+      int64_t own_row = -1;
+      for (int64_t u = 0; tb > 0 && u < np; ++u) {
+        const int64_t n = n_of(u), rec = rec_of(u) > t0 ? rec_of(u) : t0;
+        const int64_t from = recent_only ? rec : t0;
+        if (n <= from || !live(u)) continue;
+        int16_t* ub = kub + kb * hd;
+        int64_t* g = kgrp + kb;
+        if (row_of(u) != own_row) {
+          own_row = row_of(u);
+          load(own_row, from, n - from, q8_round8(n - from), rec, tbuf, ub, g);
+        }
+        if (kv_index == 0) {
+          run(u, tbuf, ub, g, from, from, n, nullptr);
+          continue;
+        }
+        if (rec > from) run(u, tbuf, ub, g, from, from, rec < n ? rec : n, accs);
+        if (rec < n) run(u, tbuf, ub, g, from, rec, n, raccs), stat[u * 8 + 2] = 1.f;
+      }
+    };
+#ifdef QSPEC_Q8_AMX
+    if (kv_index == 1 && amx_v) {
+      v4_pass();  // the copy's keys; the recent ones on the FP32 path
+      own_keys(true);
+      break;
+    }
+#endif
     for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
       const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
       auto end_of = [&](int64_t u) { return b1 < n_of(u) ? b1 : n_of(u); };  // pair u's keys end here
@@ -709,32 +751,25 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         const int64_t hb = a.kv.q8_head_bytes(kv_index);
         for (int64_t x = 0; x < hb; x += 64) _mm_prefetch(row + kvh * hb + x, _MM_HINT_T0);
       }
-      load(0, b0, b1 - b0, q8_round8(b1 - b0), kvbuf, kub, kgrp);
+      load(0, b0, b1 - b0, q8_round8(b1 - b0), n_sh, kvbuf, kub, kgrp);
       for (int64_t u = 0; u < np; ++u)
-        if (!skips(u)) run(u, kvbuf, kub, kgrp, b0, b0, end_of(u));
+        if (!skips(u)) run(u, kvbuf, kub, kgrp, b0, b0, end_of(u), accs);
     }
-    int64_t tail_row = -1;
-    if (tb > 0)
-      for (int64_t u = 0; u < np; ++u) {
-        const int64_t n = n_of(u);
-        if (n <= t0 || !live(u)) continue;
-        if (row_of(u) != tail_row) {  // a row's pairs are consecutive
-          tail_row = row_of(u);
-          load(tail_row, t0, n - t0, q8_round8(n - t0), tbuf, kub + kb * hd, kgrp + kb);
-        }
-        run(u, tbuf, kub + kb * hd, kgrp + kb, t0, t0, n);
-      }
+    own_keys(false);
   }
 
   for (int64_t u = 0; u < np; ++u) {
     if (!live(u)) continue;  // below its window and past its sinks: no partial
     float* acc = accs + u * hd;
+    const float* racc = raccs + u * hd;
+    const bool recent = stat[u * 8 + 2] != 0.f;
     float* out;
     float inv;
     if (n_full(u) <= kAttnSegKeys) {
       // INT4 V: sums in the rotated basis, turned back once per output row (a partial stays
-      // rotated: merge_segments turns the merged row back)
+      // rotated: merge_segments turns the merged row back), then the recent keys' sums added
       if (a.kv.v_bits == 4) kv_unrotate(acc, hd, kv_rot_size(hd));
+      for (int64_t d = 0; recent && d < hd; ++d) acc[d] += racc[d];
       out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
       inv = 1.f / stat[u * 8];
     } else {
@@ -742,7 +777,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       pp[0] = stat[u * 8 + 1];
       pp[1] = stat[u * 8];
       out = pp + 2;
-      inv = 1.f;  // the partial keeps the unnormalized sums
+      inv = 1.f;  // the partial keeps the unnormalized sums (INT4 V: in the rotated basis)
+      if (recent && a.kv.v_bits == 4) kv_rotate(raccs + u * hd, hd, kv_rot_size(hd));
+      for (int64_t d = 0; recent && d < hd; ++d) acc[d] += racc[d];
     }
     for (int64_t d = 0; d < hd; ++d) out[d] = acc[d] * inv;
   }
