@@ -95,10 +95,16 @@ void attn_row_head_ref_q8(const AttnArgs& a, int64_t i, int64_t h, float* scores
     if (kv_index == 1 && a.kv.v_bits == 4) return q4 * kv_q4_scale(e);
     return float(row[c]) * kv_q8_scale(e);
   };
-  // keys [0, gap) and [lo, p]: the sinks and the window (all of 0..p without a window)
+  // keys [0, gap) and [lo, p]: the sinks and the window (all of 0..p without a window), but the
+  // pages the sparse draft attention drops
   const int64_t gap = attn_gap_lo(a, i), lo = attn_key_lo(a, i);
-  auto next = [&](int64_t j) { return j + 1 == gap ? lo : j + 1; };
-  const int64_t first = gap > 0 ? 0 : lo;
+  auto step = [&](int64_t j) { return j + 1 == gap ? lo : j + 1; };
+  auto next = [&](int64_t j) {
+    for (j = step(j); j <= p && !attn_key_kept(a, i, kvh, j);) j = step(j);
+    return j;
+  };
+  int64_t first = gap > 0 ? 0 : lo;
+  while (first <= p && !attn_key_kept(a, i, kvh, first)) first = step(first);
   float max_s = -INFINITY;
   for (int64_t j = first; j <= p; j = next(j)) {
     float dot = 0.f;
@@ -178,6 +184,7 @@ bool attn_supports(AttnPath p, const AttnArgs& a) {
   if (a.draft_q8 && (!a.kv.q8k || !a.kv.q8v || !a.kv.k_scale || a.kv.head_dim % kQ8Block != 0)) return false;
   if (a.sink_keys < 0 || a.sink_keys > kAttnSegKeys || (a.sink_keys > 0 && !a.draft_q8)) return false;
   if (a.recent_keys < 0 || (a.recent_keys > 0 && !a.draft_q8)) return false;
+  if (a.sparse_keys < 0 || (a.sparse_keys > 0 && (a.sparse_keys < kAttnSegKeys || !a.draft_q8))) return false;
   switch (p) {
     case AttnPath::ref: return true;
     case AttnPath::avx2: return int(isa_selected()) >= int(Isa::avx2) && a.kv.head_dim % 8 == 0;
@@ -236,8 +243,17 @@ void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, in
   // <= kAttnSegKeys): the live ones are {0 if sinks} then s0 .. nseg - 1, in order.
   const int64_t s0 = attn_key_lo(a, row) / kAttnSegKeys;
   const bool sinks = s0 > 0 && attn_gap_lo(a, row) > 0;
-  auto next = [&](int64_t s) { return sinks && s == 0 ? s0 : s + 1; };
-  const int64_t first = sinks ? 0 : s0;
+  // and segments whose keys the sparse draft attention drops have an empty partial, or none
+  const int64_t kvh = head / (a.n_heads / a.kv.kv_heads), p = attn_row_pos(a, row);
+  auto kept = [&](int64_t s) {
+    return attn_keys_kept(a, row, kvh, s * kAttnSegKeys, (s + 1) * kAttnSegKeys < p + 1 ? (s + 1) * kAttnSegKeys : p + 1);
+  };
+  auto next = [&](int64_t s) {
+    do s = sinks && s == 0 ? s0 : s + 1;
+    while (s < nseg && !kept(s));
+    return s;
+  };
+  const int64_t first = kept(sinks ? 0 : s0) ? (sinks ? 0 : s0) : next(sinks ? 0 : s0);
   float big = -INFINITY;
   for (int64_t s = first; s < nseg; s = next(s)) {
     const float ms = part.at(a, row, head, s)[0];
@@ -281,12 +297,19 @@ constexpr int64_t kAttnUnitPairs = 96;  // 16 rows of 6 heads per KV head measur
 // unit's K/V are shared by consecutive units in cache, which matters more.
 constexpr int64_t kAttnChunkUnitRows = 256;
 
-// Whether segment s holds a key some row of [r0, r1) attends: a row reaches it, and it is not
-// wholly below every row's window unless it holds sinks.
+// Whether segment s holds a key some row of [r0, r1) attends: a row reaches it, it is not wholly
+// below every row's window unless it holds sinks, and not wholly dropped by the sparse draft
+// attention for every row and KV head.
 bool segment_live(const AttnArgs& a, int64_t r0, int64_t r1, int64_t s) {
   const int64_t S = kAttnSegKeys;
   if (r0 == r1 || attn_max_keys(a, r0, r1) <= s * S) return false;
-  return attn_min_key_lo(a, r0, r1) < (s + 1) * S || s * S < a.sink_keys;
+  if (!(attn_min_key_lo(a, r0, r1) < (s + 1) * S || s * S < a.sink_keys)) return false;
+  for (int64_t i = r0; a.page_keep && i < r1; ++i)  // dropped by the sparse draft attention?
+    for (int64_t h = 0; h < a.kv.kv_heads; ++h) {
+      const int64_t n = attn_row_pos(a, i) + 1;
+      if (s * S < n && attn_keys_kept(a, i, h, s * S, (s + 1) * S < n ? (s + 1) * S : n)) return true;
+    }
+  return !a.page_keep;
 }
 
 // Units of (KV head, row chunk) over all their segments (kAttnChunkUnitRows), the chunks with
@@ -436,6 +459,15 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     throw std::invalid_argument(std::string("attention path '") + attn_path_name(p) +
                                 "' is not supported on this CPU / ISA level / head_dim");
   if (a.m <= 0) return;
+  if (attn_sparse(a) && !a.page_keep) {  // the pages each row attends first (csrc/draft_pages.cpp)
+    AttnArgs b = a;
+    b.page_stride = (attn_max_keys(a, 0, a.m) + a.kv.k_group - 1) / a.kv.k_group;
+    thread_local std::vector<uint8_t> keep;
+    keep.assign(size_t(a.m * a.kv.kv_heads * b.page_stride), 1);
+    attn_select_pages(b, keep.data());
+    b.page_keep = keep.data();
+    return attention_path(p, b);
+  }
   const bool q8 = a.draft_q8;  // the draft copy (with windows and sinks: attention_q8_impl.h)
   const auto q8_avx512 = mx_vnni() ? attn_group_q8_avx512vnni : attn_group_q8_avx512;  // the same bits
   switch (p) {
@@ -489,12 +521,12 @@ void kv_set_pages(KvCacheView& kv, const int32_t* pages, int64_t n_pages, int64_
 
 namespace {
 
-py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
+py::object attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t start_pos,
                                 std::optional<float> scale, std::optional<std::string> path,
                                 std::optional<std::pair<int64_t, py::object>> tree, int64_t window,
                                 std::optional<py::tuple> q8,
                                 std::optional<py::array_t<int32_t, py::array::c_style | py::array::forcecast>> pages,
-                                int64_t page_size, int64_t sinks, int64_t recent) {
+                                int64_t page_size, int64_t sinks, int64_t recent, int64_t sparse, bool kept_pages) {
   if (!py::isinstance<py::array_t<float>>(q_in) || q_in.dtype().kind() != 'f' ||
       q_in.itemsize() != 4)
     throw std::invalid_argument("attention: q must be a float32 array");
@@ -560,6 +592,10 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
   if (recent < 0 || (recent > 0 && !a.draft_q8))
     throw std::invalid_argument("attention: recent must be >= 0 and needs q8 (the draft copy)");
   a.recent_keys = recent;
+  if (sparse < 0 || (sparse > 0 && (sparse < kAttnSegKeys || !a.draft_q8)))
+    throw std::invalid_argument("attention: sparse must be 0 or >= " + std::to_string(kAttnSegKeys) +
+                                " and needs q8 (the draft copy)");
+  a.sparse_keys = sparse;
   AttnPath p = path ? attn_path_from_name(*path) : attn_choose(a);
   if (!attn_supports(p, a))
     throw std::invalid_argument(std::string("attention: path '") + attn_path_name(p) +
@@ -570,11 +606,23 @@ py::array_t<float> attention_py(py::array q_in, py::array kv_in, int64_t layer, 
   a.q = q.data();
   a.out = out.mutable_data();
   a.kv.data = static_cast<uint16_t*>(const_cast<void*>(kv_in.data()));
+  std::vector<uint8_t> keep;
+  if (kept_pages && attn_sparse(a)) {  // chosen here to be returned (attention_path takes them)
+    a.page_stride = (attn_max_keys(a, 0, a.m) + a.kv.k_group - 1) / a.kv.k_group;
+    keep.assign(size_t(a.m * a.kv.kv_heads * a.page_stride), 1);
+  }
   {
     py::gil_scoped_release release;
+    if (!keep.empty()) {
+      attn_select_pages(a, keep.data());
+      a.page_keep = keep.data();
+    }
     attention_path(p, a);
   }
-  return out;
+  if (!kept_pages) return std::move(out);
+  py::array_t<bool> kept({a.m, a.kv.kv_heads, a.page_stride});
+  for (size_t x = 0; x < keep.size(); ++x) kept.mutable_data()[x] = keep[x] != 0;
+  return py::make_tuple(out, kept);
 }
 
 }  // namespace
@@ -584,7 +632,7 @@ void bind_attention(py::module_& m) {
         py::arg("start_pos"), py::arg("scale") = py::none(), py::arg("path") = py::none(),
         py::arg("tree") = py::none(), py::arg("window") = 0, py::arg("q8") = py::none(),
         py::arg("pages") = py::none(), py::arg("page_size") = 0, py::arg("sinks") = 0,
-        py::arg("recent") = 0,
+        py::arg("recent") = 0, py::arg("sparse") = 0, py::arg("kept_pages") = false,
         "Causal attention of q [m, n_heads, head_dim] f32 (row i at position start_pos + i) over "
         "the BF16 cache kv [layers, 2, max_seq, kv_heads, head_dim] (uint16 bits); "
         "scale defaults to 1/sqrt(head_dim), path to attn_choose(); tree = (prefix, parents): "
@@ -594,7 +642,9 @@ void bind_attention(py::module_& m) {
         "instead of kv's BF16 rows; "
         "pages (int32) with page_size: a paged cache, position p in pool row pages[p / page_size] * "
         "page_size + p % page_size; sinks (with q8 and a window): keys 0 .. sinks - 1 are attended too; "
-        "recent (with q8): a row at position p reads keys p - recent + 1 .. p from kv's BF16 rows");
+        "recent (with q8): a row at position p reads keys p - recent + 1 .. p from kv's BF16 rows; "
+        "sparse (with an INT4 q8, no window): each row attends about that many keys of its written "
+        "pages (csrc/draft_pages.cpp); kept_pages: return (out, kept [m, kv_heads, pages] bool)");
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);

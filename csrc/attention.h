@@ -133,6 +133,13 @@ struct AttnArgs {
   // latest keys (Qwen2.5-Coder-1.5B at 8k tokens: acceptance 0.81 over the INT4 copy, 0.88 with
   // its latest 256 keys in BF16, as over the BF16 rows). The result depends only on p.
   int64_t recent_keys = 0;
+  // Sparse draft attention (draft passes over an INT4 copy; 0: off): of the pages wholly inside a
+  // row's window and below its recent keys and a tree's prefix, the row attends page 0, the last
+  // and the sparse_keys / k_group - 2 others whose keys can score highest (attn_select_pages,
+  // Quest's bound). page_keep [m][kv_heads][page_stride] (0: dropped) is set by attention_path.
+  int64_t sparse_keys = 0;
+  const uint8_t* page_keep = nullptr;
+  int64_t page_stride = 0;
   KvCacheView kv;
   const AttnTree* tree = nullptr;  // null: linear rows (row i at position start_pos + i)
   // Read K/V from the draft copy (kv.q8k / q8v, head_dim a multiple of kQ8Block) instead of BF16:
@@ -217,6 +224,61 @@ inline int64_t attn_recent_lo(const AttnArgs& a, int64_t i) {
   const int64_t lo = attn_row_pos(a, i) + 1 - a.recent_keys;
   return lo > 0 ? lo : 0;
 }
+
+// Whether query row i attends logical key j of KV head kvh (false: its page is dropped by the
+// sparse draft attention).
+inline bool attn_key_kept(const AttnArgs& a, int64_t i, int64_t kvh, int64_t j) {
+  if (!a.page_keep) return true;
+  const int64_t g = a.kv.k_group_shift >= 0 ? j >> a.kv.k_group_shift : j / a.kv.k_group;
+  return a.page_keep[(i * a.kv.kv_heads + kvh) * a.page_stride + g] != 0;
+}
+// Whether any key of [j0, j1) of row i, KV head kvh is attended (j0 < j1).
+inline bool attn_keys_kept(const AttnArgs& a, int64_t i, int64_t kvh, int64_t j0, int64_t j1) {
+  if (!a.page_keep) return true;
+  for (int64_t j = j0; j < j1; j = (j / a.kv.k_group + 1) * a.kv.k_group)
+    if (attn_key_kept(a, i, kvh, j)) return true;
+  return false;
+}
+// Pass 2 with dropped pages: the scores of row i's dropped keys of [kbeg, n) get -inf and the max
+// of the others is returned (`folded` when none of them is dropped).
+inline float attn_drop_max(const AttnArgs& a, int64_t i, int64_t kvh, float* scores, int64_t kbeg, int64_t n,
+                           float folded) {
+  if (!a.page_keep) return folded;
+  bool any = false;
+  for (int64_t j0 = kbeg; j0 < n; j0 = (j0 / a.kv.k_group + 1) * a.kv.k_group) {  // page by page
+    if (attn_key_kept(a, i, kvh, j0)) continue;
+    const int64_t j1 = (j0 / a.kv.k_group + 1) * a.kv.k_group;
+    for (int64_t j = j0; j < j1 && j < n; ++j) scores[j] = -INFINITY;
+    any = true;
+  }
+  if (!any) return folded;
+  float lane[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  int64_t j = kbeg;
+  for (; j + 8 <= n; j += 8)  // a NaN is skipped, as by the fold (the max is exact in any order)
+    for (int l = 0; l < 8; ++l) lane[l] = scores[j + l] > lane[l] ? scores[j + l] : lane[l];
+  for (; j < n; ++j) lane[0] = scores[j] > lane[0] ? scores[j] : lane[0];
+  float m = lane[0];
+  for (int l = 1; l < 8; ++l) m = lane[l] > m ? lane[l] : m;
+  return m;
+}
+// Bit t set for each key j0 + t (t < n <= 32) row i attends of KV head kvh's pages (all with no
+// dropped pages).
+inline uint32_t attn_kept_bits(const AttnArgs& a, int64_t i, int64_t kvh, int64_t j0, int64_t n) {
+  const uint32_t all = n >= 32 ? ~uint32_t(0) : (uint32_t(1) << n) - 1;
+  if (!a.page_keep) return all;
+  uint32_t bits = 0;
+  for (int64_t j = j0; j < j0 + n; j = (j / a.kv.k_group + 1) * a.kv.k_group) {
+    if (!attn_key_kept(a, i, kvh, j)) continue;
+    const int64_t e = (j / a.kv.k_group + 1) * a.kv.k_group - j0;  // the page's end, relative
+    bits |= (e >= 32 ? ~uint32_t(0) : (uint32_t(1) << e) - 1) & ~((uint32_t(1) << (j - j0)) - 1);
+  }
+  return bits & all;
+}
+// Whether a pass may drop pages: sparse keys over an INT4 K copy.
+inline bool attn_sparse(const AttnArgs& a) { return a.sparse_keys > 0 && a.draft_q8 && a.kv.k_bits == 4; }
+// Fills page_keep (rows x kv_heads x page_stride bytes, all 1 on entry) for a.sparse_keys
+// (csrc/draft_pages.cpp).
+void attn_select_pages(const AttnArgs& a, uint8_t* keep);
 
 // Owns the path arrays of an AttnTree built from a parent array: parents[s - prefix] is the slot
 // of slot s's parent (-1: a root) for s in [prefix, start_pos + m). Throws std::invalid_argument

@@ -194,15 +194,19 @@ class Model {
   // Draft passes over the draft copy: on layers without a sliding window they attend only the
   // first `sinks` keys and the `window` most recent ones (attention.h sink_keys; window 0: every
   // key), and on every layer they read each row's `recent` latest keys from the BF16 rows
-  // (attention.h recent_keys; 0: none).
-  void set_draft_attention(int64_t sinks, int64_t window, int64_t recent) {
+  // (attention.h recent_keys; 0: none); over an INT4 copy without a window they attend about
+  // `sparse` keys of each row's written pages (attention.h sparse_keys; 0: all).
+  void set_draft_attention(int64_t sinks, int64_t window, int64_t recent, int64_t sparse) {
     if (window < 0) throw std::invalid_argument("draft window must be >= 0");
     if (sinks < 0 || sinks > kAttnSegKeys)
       throw std::invalid_argument("draft sinks must be in [0, " + std::to_string(kAttnSegKeys) + "]");
     if (recent < 0) throw std::invalid_argument("draft recent keys must be >= 0");
+    if (sparse < 0 || (sparse > 0 && sparse < kAttnSegKeys))
+      throw std::invalid_argument("draft sparse keys must be 0 or >= " + std::to_string(kAttnSegKeys));
     draft_window_ = window;
     draft_sinks_ = window > 0 ? sinks : 0;
     draft_recent_ = recent;
+    draft_sparse_ = sparse;
   }
 
   void set_lm_head(int set, std::shared_ptr<PackedWeight> w) {
@@ -381,7 +385,7 @@ class Model {
         a.tree = seqs[s].tree;
         a.draft_q8 = seqs[s].draft_q8;
         if (a.draft_q8 && a.window == 0 && draft_window_ > 0) a.window = draft_window_, a.sink_keys = draft_sinks_;
-        if (a.draft_q8) a.recent_keys = draft_recent_;
+        if (a.draft_q8) a.recent_keys = draft_recent_, a.sparse_keys = draft_sparse_;
         RegionTiming& attn_idle = attn_timing();
         attn_idle = RegionTiming();
         attention(a);
@@ -457,7 +461,7 @@ class Model {
   WeightSet sets_[kWeightSets];
   std::vector<std::vector<float>> attn_norm_, mlp_norm_, bqkv_, q_norm_, k_norm_, post_attn_norm_, post_mlp_norm_;
   std::vector<int64_t> layer_rope_, layer_window_;
-  int64_t draft_window_ = 0, draft_sinks_ = 0, draft_recent_ = 0;
+  int64_t draft_window_ = 0, draft_sinks_ = 0, draft_recent_ = 0, draft_sparse_ = 0;
   std::vector<float> cos_[kRopeTables], sin_[kRopeTables];
   int64_t rope_positions_ = 0;
   std::vector<float> h_, x_, qkv_, q_, att_, gu_, act_, tmp_;  // scratch, reused across calls
@@ -502,8 +506,10 @@ void bind_model(py::module_& m) {
       .def("set_layer_attention", &Model::set_layer_attention, py::arg("layer"), py::arg("rope_table"),
            py::arg("window"), "rope_table: -1 (no RoPE) or a table of set_rope; window: sliding window, 0 none")
       .def("set_draft_attention", &Model::set_draft_attention, py::arg("sinks"), py::arg("window"), py::arg("recent"),
-           "draft passes over the draft copy attend the first `sinks` and the last `window` keys (0: all) "
-           "and read each row's `recent` latest keys from the BF16 rows (0: none)")
+           py::arg("sparse"),
+           "draft passes over the draft copy attend the first `sinks` and the last `window` keys (0: all), "
+           "read each row's `recent` latest keys from the BF16 rows (0: none) and, over an INT4 copy "
+           "without a window, about `sparse` keys of each row's written pages (0: all)")
       .def("set_lm_head", &Model::set_lm_head, py::arg("set"), py::arg("w"))
       .def("set_rope", &Model::set_rope, py::arg("cos"), py::arg("sin"), py::arg("table") = 0)
       .def("has_set", &Model::has_set, py::arg("set"))

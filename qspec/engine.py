@@ -473,7 +473,8 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     `draft_kv`: what the MX draft levels attend over: "int8" / "int4" = an INT8 / INT4 copy of the
     KV cache (csrc/kv_q8.h: INT4 V rows in a Walsh-Hadamard-rotated basis, INT4 K per channel over
     each page of committed rows; kept written by every pass; the target still reads BF16, so the
-    output is unchanged), "bf16" = the BF16 cache (no copy), "auto" (default) = the
+    output is unchanged; each draft row's latest qspec.native.DRAFT_RECENT_KEYS (256) tokens are
+    read from the BF16 cache), "bf16" = the BF16 cache (no copy), "auto" (default) = the
     qspec.native.DRAFT_KV_AUTO_FORMAT copy, read from qspec.native.DRAFT_KV_AUTO_MIN positions on.
     `draft_window`: N: the MX drafts' passes over that copy attend only the first
     qspec.native.DRAFT_SINKS (64) tokens and the N most recent ones, so drafting stays as cheap at

@@ -5,6 +5,7 @@ mapped from the weight cache or a draft file, a backend is built and run on nump
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -50,6 +51,9 @@ DEFAULT_DRAFT_WINDOW = 8192
 # tokens: acceptance 0.813 with none, 0.846 with 64, 0.881 with 256 (as over the BF16 rows: 0.881),
 # 0.888 with 1,024; 256 keys add ~11% to the bytes a draft step reads from the copy at 8k.
 DRAFT_RECENT_KEYS = 256
+# Keys of its written pages each draft row attends over the INT4 copy (csrc/draft_pages.cpp: the
+# pages whose per-channel bounds allow the highest scores; 0: all).
+DRAFT_SPARSE_KEYS = int(os.environ.get("QSPEC_SPARSE", "0"))
 
 
 def check_draft_window(draft_window, copy: str | None) -> int:
@@ -355,7 +359,7 @@ class NativeBackend:
     @draft_window.setter
     def draft_window(self, n: int | None) -> None:
         self._draft_window = check_draft_window(n, self.pool.draft_copy)
-        self.model.set_draft_attention(DRAFT_SINKS, self._draft_window, DRAFT_RECENT_KEYS)
+        self.model.set_draft_attention(DRAFT_SINKS, self._draft_window, DRAFT_RECENT_KEYS, DRAFT_SPARSE_KEYS)
 
     def _set_draft(self, set_index: int, packed: dict, error: type, what: str) -> int:
         """Load MX matrices into a weight set (the LM head is the target's unless `packed` has

@@ -296,11 +296,12 @@ def k4_int_scores(qv, qk, ek, flags, layer, kh, keys):
     return out
 
 
-def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None, recent=0, kv=None):
+def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None, recent=0, kv=None, kept=None):
     """Causal GQA attention in float64 over given K/V values [layers, 2, seq, kvh, hd]; with a
     window, a row at p attends keys p - window + 1 .. p and keys 0 .. sinks - 1. int_k = an INT4
     copy (K values, V values, K scales, V scales, flags): written groups' keys scored as
-    k4_int_scores. recent: keys p - recent + 1 .. p take their values from the BF16 rows kv."""
+    k4_int_scores. recent: keys p - recent + 1 .. p take their values from the BF16 rows kv.
+    kept [m, kvh, pages] (bool): the keys of a row's pages marked False are not attended."""
     m, h, hd = q.shape
     kvh = vals.shape[3]
     out = np.empty((m, h, hd))
@@ -322,6 +323,8 @@ def attention_f64(q, vals, layer, start_pos, window=0, sinks=0, int_k=None, rece
                 si[keys > p - recent] = np.nan  # recent keys: their BF16 rows, as the values
                 s[hh] = np.where(np.isnan(si), s[hh], si)
         s /= np.sqrt(hd)
+        if kept is not None:
+            s[~kept[i][np.arange(h) // (h // kvh)][:, keys // GROUP]] = -np.inf
         w = np.exp(s - s.max(axis=1, keepdims=True))
         out[i] = np.einsum("hj,jhd->hd", w / w.sum(axis=1, keepdims=True), v)
     return out
@@ -415,6 +418,94 @@ def test_recent_keys_tree_rows_equal_linear_path(path, fmt):
             lin = _C.attention(q[i:i + 1], lin_kv, 0, prefix + len(path_slots) - 1, path=path, q8=lin_q8,
                                recent=recent)
             np.testing.assert_array_equal(got[i], lin[0])
+
+
+def page_bounds_f64(q, q8, layer, row, kvh, group, pages):
+    """Quest's bound of each page (float64): max over the KV head's `group` query heads of
+    sum q * center + 7 * |q| * scale over the page's K group params."""
+    hd = q.shape[-1]
+    qh = q[row, kvh * group:(kvh + 1) * group].astype(np.float64)
+    out = []
+    for pg in pages:
+        center, scale = k4_group_params(q8[2][layer, 0, pg * GROUP:(pg + 1) * GROUP].reshape(-1, 3 * hd)[kvh])
+        out.append((qh @ center + 7 * np.abs(qh) @ scale).max())
+    return np.array(out)
+
+
+# Sparse draft attention (csrc/draft_pages.cpp): of the written pages inside a row's window and
+# below its recent keys, each row attends page 0, the last and the others of highest bound up to
+# the budget, and everything else it attends.
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sparse,recent,window,sinks", [(256, 0, 0, 0), (256, 40, 0, 0), (512, 256, 0, 0),
+                                                       (4096, 0, 0, 0), (256, 40, 1000, 64), (256, 0, 700, 0)])
+@pytest.mark.parametrize("start_pos,m", [(300, 2), (1500, 3), (2900, 1)])
+def test_sparse_pages_against_f64(path, sparse, recent, window, sinks, start_pos, m):
+    kv, q8 = make_cache(start_pos + m + 3, 2, 64, seed=15, fmt="int4", final=(start_pos + m) // GROUP * GROUP)
+    q = np.random.default_rng(16).standard_normal((m, 6, 64)).astype(np.float32)
+    kw = dict(q8=q8, recent=recent, window=window, sinks=sinks)
+    got, kept = _C.attention(q, kv, 1, start_pos, path=path, sparse=sparse, kept_pages=True, **kw)
+    budget = sparse // GROUP - 2
+    for i in range(m):
+        p = start_pos + i
+        last = max(0, p + 1 - recent) // GROUP - 1  # pages first .. last - 1 may be dropped
+        first = max(1, -(-max(0, p - window + 1) // GROUP)) if window else 1
+        for kvh in range(2):
+            k = kept[i, kvh]
+            assert k[:first].all() and k[max(first, last):].all()
+            elig = np.arange(first, max(first, last))
+            if len(elig) <= budget:
+                assert k.all()
+                continue
+            assert k[elig].sum() == budget  # exactly the budget dropped the rest
+            u = page_bounds_f64(q, q8, 1, i, kvh, 3, elig)
+            assert u[k[elig]].min() >= u[~k[elig]].max() - 1e-3 * np.abs(u).max()  # the highest bounds
+    want = attention_f64(q, dequant_copy(kv, *q8), 1, start_pos, window, sinks, recent=recent, kv=kv, kept=kept,
+                         int_k=q8 if path in INT_K_PATHS else None)
+    np.testing.assert_allclose(got, want, **copy_tol(path, "int4", dequant_copy(kv, *q8)))
+    ref_out, ref_kept = _C.attention(q, kv, 1, start_pos, path="ref", sparse=sparse, kept_pages=True, **kw)
+    np.testing.assert_array_equal(kept, ref_kept)  # the choice is the same on every path
+    for i in (0, m - 1):  # a row alone: the same pages, the same bits
+        one, one_kept = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, sparse=sparse, kept_pages=True,
+                                     **kw)
+        np.testing.assert_array_equal(one[0], got[i])
+        np.testing.assert_array_equal(one_kept[0], kept[i, :, :one_kept.shape[2]])
+    if kept.all():
+        np.testing.assert_array_equal(got, _C.attention(q, kv, 1, start_pos, path=path, **kw))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sparse_tree_rows_equal_linear_path(path):
+    prefix, parents = 1100, [-1, 1100, 1100, 1101, 1103, 1102]
+    m = len(parents)
+    kv, q8 = make_cache(prefix + m + 8, 2, 64, seed=17, fmt="int4", final=prefix // GROUP * GROUP)
+    q = np.random.default_rng(18).standard_normal((m, 4, 64)).astype(np.float32)
+    got, kept = _C.attention(q, kv, 0, prefix, path=path, tree=(prefix, parents), q8=q8, recent=3, sparse=256,
+                             kept_pages=True)
+    assert not kept.all()
+    for i in range(m):
+        path_slots, s = [], prefix + i
+        while s != -1:
+            path_slots.insert(0, s)
+            s = parents[s - prefix]
+        lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
+        for j, slot in enumerate(path_slots):
+            for a, b in zip((lin_kv, *lin_q8[:4]), (kv, *q8[:4])):
+                a[:, :, prefix + j] = b[:, :, slot]
+        lin = _C.attention(q[i:i + 1], lin_kv, 0, prefix + len(path_slots) - 1, path=path, q8=lin_q8, recent=3,
+                           sparse=256)
+        np.testing.assert_array_equal(got[i], lin[0])
+
+
+def test_sparse_needs_the_int4_copy():
+    kv, q8 = make_cache(2000, 2, 64, fmt="int4", final=1984)
+    q = np.random.default_rng(19).standard_normal((1, 4, 64)).astype(np.float32)
+    for kw in (dict(sparse=256), dict(q8=q8, sparse=255), dict(q8=q8, sparse=-1)):
+        with pytest.raises(ValueError, match="sparse"):
+            _C.attention(q, kv, 0, 1990, **kw)
+    q8_int8 = quantize_copy(kv, "int8")  # no per-page bounds: nothing dropped
+    out, kept = _C.attention(q, kv, 0, 1990, q8=q8_int8, sparse=256, kept_pages=True)
+    assert kept.size == 0
+    np.testing.assert_array_equal(out, _C.attention(q, kv, 0, 1990, q8=q8_int8))
 
 
 def test_recent_keys_need_the_copy():

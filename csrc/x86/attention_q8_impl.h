@@ -616,7 +616,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       __mmask32 k = e >= 32 ? ~__mmask32(0) : __mmask32((uint32_t(1) << e) - 1);
       const int64_t g0 = gap_of(u) - j0, g1 = lo_of(u) - j0;  // [g0, g1) not attended
       for (int64_t t = g0 < 0 ? 0 : g0; t < g1 && t < 32; ++t) k &= ~(__mmask32(1) << t);
-      return k;
+      return k & attn_kept_bits(a, row_of(u), kvh, j0, n);  // not the pages the sparse draft attention drops
     };
     int64_t ns = 0;  // steps staged
     auto stage = [&](int64_t row, int64_t j0, int64_t n) {  // row -1: shared by every pair
@@ -673,9 +673,17 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     if (kv_index == 1)  // pass 2, between K and V
       for (int64_t u = 0; u < np; ++u) {
         if (!live(u)) continue;
-        const float m = attn_gap_max(scores + u * sc_stride, kbeg, n_of(u), gap_of(u), lo_of(u),
-                                     avx2::hmax(_mm256_loadu_ps(stat + u * 8)));
-        stat[u * 8] = q8_exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, m);
+        float* sc = scores + u * sc_stride;
+        float m = attn_gap_max(sc, kbeg, n_of(u), gap_of(u), lo_of(u), avx2::hmax(_mm256_loadu_ps(stat + u * 8)));
+        m = attn_drop_max(a, row_of(u), kvh, sc, kbeg, n_of(u), m);
+        if (m == -INFINITY) {  // every key of the segment dropped (sparse): an empty partial
+          for (int64_t j = kbeg; j < n_of(u); ++j) sc[j] = 0.f;
+          stat[u * 8] = 0.f;
+          stat[u * 8 + 1] = m;
+          stat[u * 8 + 2] = 0.f;
+          continue;
+        }
+        stat[u * 8] = q8_exp_pass(sc + kbeg, n_of(u) - kbeg, m);
         stat[u * 8 + 1] = m;
         stat[u * 8 + 2] = 0.f;  // no recent keys summed yet
       }
@@ -741,7 +749,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     for (int64_t b0 = kbeg; b0 < n_sh; b0 += kb) {
       const int64_t b1 = b0 + kb < n_sh ? b0 + kb : n_sh;
       auto end_of = [&](int64_t u) { return b1 < n_of(u) ? b1 : n_of(u); };  // pair u's keys end here
-      auto skips = [&](int64_t u) { return !live(u) || end_of(u) <= b0 || in_gap(u, b0, end_of(u)); };
+      auto skips = [&](int64_t u) {
+        return !live(u) || end_of(u) <= b0 || in_gap(u, b0, end_of(u)) || !attn_keys_kept(a, row_of(u), kvh, b0, end_of(u));
+      };
       bool all_skip = true;
       for (int64_t u = 0; u < np && all_skip; ++u) all_skip = skips(u);
       if (all_skip) continue;  // every pair's gap (or past its keys): not even dequantized
