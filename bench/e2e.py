@@ -32,7 +32,9 @@ standard-library source file and a question about a function in it, bench/long_p
 the speedup at long context is measured; c and v(K) are then measured at that context.
 `--draft-kv int8,bf16`: each setting once per draft-KV mode (qspec.load(draft_kv=...): the MX
 draft attends over the INT8 copy of the cache or the BF16 cache), reported in the draft_kv column;
-`--draft-windows 0,2048` likewise per draft window (qspec.load(draft_window=...)), column draft_window.
+`--draft-windows 0,2048` likewise per draft window (qspec.load(draft_window=...)), column draft_window;
+`--draft-sparse 0,2048` per sparse draft attention budget (qspec.load(draft_sparse=...)), column
+draft_sparse.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from .common import (JsonWriter, TableStream, dev_prompts, fmt_table, model_pars
 from .models import (default_draft_name, load_engine, model_label, parse_chain_setting, parse_draft, step_costs,
                      synthetic_backend)
 from .long_prompts import long_prompts
+from qspec.cli import sparse_keys
 from qspec.engine import DEFAULT_DRAFT_PARAMS
 from qspec.native import DRAFT_KV_MODES
 from qspec.speculative import DraftParams
@@ -91,7 +94,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
     n_prompts = args.prompts or (4 if args.quick else 24)
     n_new = args.max_new or (64 if args.quick else 128)
     rows = []
-    table = TableStream(["draft", "draft_kv", "draft_window", "k", "draft_p_min", "tree", "temperature", "tokens_per_s",
+    table = TableStream(["draft", "draft_kv", "draft_window", "draft_sparse", "k", "draft_p_min", "tree", "temperature", "tokens_per_s",
                          "speedup", "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup", "ceiling_speedup",
                          "tree_rows", "tree_path", "tau_vs_chain"], widths={"draft": 24})
     for dspec in args.drafts:
@@ -107,15 +110,17 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
         byte_ratio = eng.backend.draft_bytes / eng.backend.target_bytes
         eng.generate(prompts[0], max_new_tokens=16)  # warm-up
         windows = args.draft_windows or [eng.backend.draft_window]
-        # a draft window is a window over the draft copy: none with the BF16 cache
-        modes = list(dict.fromkeys((t, m, 0 if m == "bf16" else w)
-                                   for m in args.draft_kv for w in windows for t in args.temps))
-        for temp, draft_kv, window in modes:
+        budgets = args.draft_sparse or [eng.backend.draft_sparse]
+        # a draft window and a sparse budget are over the draft copy: none with the BF16 cache
+        modes = list(dict.fromkeys((t, m, 0 if m == "bf16" else w, 0 if m == "bf16" else b)
+                                   for m in args.draft_kv for w in windows for b in budgets for t in args.temps))
+        for temp, draft_kv, window, budget in modes:
             if draft_kv != eng.backend.draft_kv:  # the pool's draft copy is made at load: a new engine
                 del eng
                 eng = load_engine(args, spec, levels, draft_kv)
                 eng.generate(prompts[0], max_new_tokens=16)  # warm-up
             eng.backend.draft_window = window
+            eng.backend.draft_sparse = budget
             cr = cost_ratios(eng.backend, fixed, args.context or 128, 5 if args.quick else 11)
             settings = [(k, pm, "off") for k, pm in args.ks]
             if args.trees:
@@ -172,6 +177,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                         row[f"level{i}_acceptance_rate"] = accepted / max(1, drafted)
                         row[f"level{i}_skip_rate"] = skipped / max(1, rounds)
                 row.update(model=name, weights="real", temperature=temp, draft_kv=draft_kv, draft_window=window,
+                           draft_sparse=budget,
                            context=args.context or None,
                            tokens_per_s=statistics.median(d["tps"]), prompts=len(prompts), new_tokens=n_new,
                            threads=args.threads)
@@ -299,6 +305,10 @@ def main(argv=None) -> None:
                    help="comma list of draft windows to compare (qspec.load(draft_window=N): the drafts attend the "
                    "first 64 and the N most recent tokens over the draft KV copy; 0 = every token; default: the "
                    "engine's)")
+    p.add_argument("--draft-sparse", type=lambda s: [sparse_keys(x) for x in s.split(",")], default=None,
+                   help="comma list of sparse draft attention budgets to compare (qspec.load(draft_sparse=N): "
+                   "over the INT4 copy each draft row attends about N tokens of its pages; 0 = every page; "
+                   "default: the engine's)")
     p.add_argument("--rss-probe", choices=("plain", "speculative"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.context is not None and args.context < 64:

@@ -39,6 +39,14 @@ _positive_int = _int_at_least(1)
 _nonnegative_int = _int_at_least(0)
 
 
+def sparse_keys(s: str) -> int:
+    """An argparse type: a sparse draft attention budget, 0 or an integer >= 256."""
+    v = _nonnegative_int(s)
+    if 0 < v < 256:
+        raise argparse.ArgumentTypeError(f"must be 0 or >= 256, got {v}")
+    return v
+
+
 def _draft_max(s: str) -> int | str:
     if s == "auto":
         return s
@@ -92,6 +100,9 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
                    help="the MX drafts attend only the first 64 tokens and the N most recent ones (over the draft "
                    "KV copy): drafting as cheap at long context as at short; 0 = every token (default: 8192 "
                    "with a draft KV copy)")
+    g.add_argument("--draft-sparse", type=sparse_keys, default=None, metavar="N",
+                   help="over the INT4 draft KV copy each draft step attends about N tokens of the context, those "
+                   "whose keys can score highest, besides the latest ones; 0 = every token (default 0)")
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
                    help="tokens of context, prompt + completion (per request when serving; default: the "
                    "model's); the KV cache is sized to it, after checking that it fits in memory")
@@ -133,7 +144,8 @@ def _load_engine(a: argparse.Namespace):
     try:
         engine = load(a.model, draft=None if a.draft == "none" else a.draft, draft_file=a.draft_file,
                       threads=a.threads, draft_lm_head=a.draft_lm_head, draft_levels=levels, tensor_parallel=a.tp,
-                      ctx_size=a.ctx_size, draft_kv=a.draft_kv, draft_window=a.draft_window)
+                      ctx_size=a.ctx_size, draft_kv=a.draft_kv, draft_window=a.draft_window,
+                      draft_sparse=a.draft_sparse)
     except ContextSizeError as e:
         raise ContextSizeError(str(e).replace("ctx_size", "--ctx-size")) from None
     if a.ctx_size is not None:  # the memory the chosen context takes, before a long run

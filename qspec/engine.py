@@ -447,7 +447,8 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
          draft_file: str | Path | None = None, threads: int | None = None, backend: str = "native",
          draft_lm_head: str | None = None, cache: bool | None = None,
          draft_levels: Sequence[str] = (), tensor_parallel: int | str | None = None,
-         ctx_size: int | None = None, draft_kv: str = "auto", draft_window: int | None = None) -> Engine:
+         ctx_size: int | None = None, draft_kv: str = "auto", draft_window: int | None = None,
+         draft_sparse: int | None = None) -> Engine:
     """Load a model into an Engine: None = the default SmolLM2-135M-Instruct, a known name
     (`qspec fetch --list`; fetched on first use unless QSPEC_OFFLINE=1), or a Hugging Face model
     directory.
@@ -480,6 +481,10 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     qspec.native.DRAFT_SINKS (64) tokens and the N most recent ones, so drafting stays as cheap at
     long context as at short (the target still attends every token: the output is unchanged);
     0: every token; None (default): qspec.native.DEFAULT_DRAFT_WINDOW (8,192) when there is a copy.
+    `draft_sparse`: N >= 256: over the INT4 copy each draft row attends about N tokens of its
+    written pages, those whose keys can score highest (Quest's per-page bound), besides its latest
+    ones; 0 / None (default, qspec.native.DEFAULT_DRAFT_SPARSE): every page. Drafts only: the output
+    is unchanged.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.
@@ -496,13 +501,14 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     _C.mx_tiles()  # a bad QSPEC_MX_PATH is a ValueError here, before any file is read
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
-    from .native import DRAFT_KV_MODES, check_draft_window, draft_copy_format
+    from .native import DRAFT_KV_MODES, check_draft_sparse, check_draft_window, draft_copy_format
 
     if draft_kv not in DRAFT_KV_MODES:
         raise ValueError(f"draft_kv must be one of {', '.join(DRAFT_KV_MODES)}, got {draft_kv!r}")
     # a bad format or chain fails before any file is read
-    check_draft_window(draft_window, "copy" if backend == "native" and draft_kv != "bf16" and draft not in (None, NGRAM)
-                       else None)
+    copy = "copy" if backend == "native" and draft_kv != "bf16" and draft not in (None, NGRAM) else None
+    check_draft_window(draft_window, copy)
+    check_draft_sparse(draft_sparse, copy)
     spec = resolve_draft_spec(draft, draft_lm_head)
     chain = parse_chain(NGRAM if draft == NGRAM else None if spec is None else "auto", draft_levels)
     if backend == "torch" and (spec is not None and draft != "auto" or draft_file is not None or draft_levels
@@ -536,7 +542,7 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
 
         return native_backend(plan.model_dir, plan.cfg, weights, plan.spec, plan.draft_packed, cache=cache,
                               upper_drafts=plan.upper_specs, shard=shard, draft_kv=draft_kv,
-                              draft_window=draft_window)
+                              draft_window=draft_window, draft_sparse=draft_sparse)
 
     def make_engine(plan: _Plan, be: Backend) -> Engine:
         if ctx_size is not None:

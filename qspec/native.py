@@ -5,7 +5,6 @@ mapped from the weight cache or a draft file, a backend is built and run on nump
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,9 +50,27 @@ DEFAULT_DRAFT_WINDOW = 8192
 # tokens: acceptance 0.813 with none, 0.846 with 64, 0.881 with 256 (as over the BF16 rows: 0.881),
 # 0.888 with 1,024; 256 keys add ~11% to the bytes a draft step reads from the copy at 8k.
 DRAFT_RECENT_KEYS = 256
-# Keys of its written pages each draft row attends over the INT4 copy (csrc/draft_pages.cpp: the
-# pages whose per-channel bounds allow the highest scores; 0: all).
-DRAFT_SPARSE_KEYS = int(os.environ.get("QSPEC_SPARSE", "0"))
+# The sparse draft attention's budget `draft_sparse=None` gives (csrc/draft_pages.cpp: over the INT4
+# copy each draft row attends about N keys of its written pages, those whose per-channel bounds
+# allow the highest scores, besides its recent keys; 0: every page). Off: at 8k tokens (K = 4, 3
+# prompts x 64 greedy tokens) the drafts accepted 0.881 over every page, 0.827 with N = 2,048 and
+# 0.777 with 1,024, while one draft row's attention over the copy took 16.2 -> 8.6 ms a step
+# (README, "Long prompts").
+DEFAULT_DRAFT_SPARSE = 0
+
+
+def check_draft_sparse(draft_sparse, copy: str | None) -> int:
+    """`draft_sparse` as an int: 0 (the drafts attend every page) or N >= 256 (passes over the INT4
+    draft copy attend about N keys of each row's written pages, the rest of its keys as they are);
+    a budget needs the copy. None: DEFAULT_DRAFT_SPARSE."""
+    if draft_sparse is None:
+        return DEFAULT_DRAFT_SPARSE if copy is not None else 0
+    if isinstance(draft_sparse, bool) or not isinstance(draft_sparse, int) or not (
+            draft_sparse == 0 or draft_sparse >= 256):
+        raise ValueError(f"draft_sparse must be 0 or an integer >= 256, got {draft_sparse!r}")
+    if draft_sparse and copy is None:
+        raise ValueError("sparse draft attention needs a draft KV copy (an MX draft with draft KV int4 or auto)")
+    return draft_sparse
 
 
 def check_draft_window(draft_window, copy: str | None) -> int:
@@ -211,7 +228,8 @@ def map_checkpoint_tensor(model_dir: Path, name: str, shape: tuple[int, ...]) ->
 def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                    draft_packed: dict | None = None, cache: bool | None = None,
                    upper_drafts: Sequence[DraftSpec] = (), shard: Shard | None = None,
-                   draft_kv: str = "bf16", draft_window: int | None = 0) -> "NativeBackend":
+                   draft_kv: str = "bf16", draft_window: int | None = 0,
+                   draft_sparse: int | None = 0) -> "NativeBackend":
     """A NativeBackend whose packed target (and draft, unless `draft_packed` comes from a draft
     file) are memory-mapped from the weight cache (qspec/weight_cache.py) when it has them, else
     packed/cast here, with a progress bar, and written to the cache for the next load.
@@ -254,7 +272,8 @@ def native_backend(model_dir: Path, cfg: ModelConfig, weights: ModelWeights, dra
     embed = map_checkpoint_tensor(model_dir, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
     info["embed"] = "mapped" if embed is not None else "copied"
     be = NativeBackend(cfg, weights, draft, draft_packed, target_packed=target, embed=embed, upper_drafts=upper,
-                       shard=shard, draft_kv=draft_kv, draft_window=draft_window)
+                       shard=shard, draft_kv=draft_kv, draft_window=draft_window,
+                       draft_sparse=draft_sparse)
     info["load_s"] = time.perf_counter() - t0
     be.load_info = info
     return be
@@ -267,7 +286,8 @@ class NativeBackend:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, draft: DraftSpec | None = None,
                  draft_packed: dict | None = None, *, target_packed: dict | None = None,
                  embed: np.ndarray | None = None, upper_drafts: Sequence[tuple[DraftSpec, dict]] = (),
-                 shard: Shard | None = None, draft_kv: str = "bf16", draft_window: int | None = 0):
+                 shard: Shard | None = None, draft_kv: str = "bf16", draft_window: int | None = 0,
+                 draft_sparse: int | None = 0):
         """`target_packed` / `draft_packed` (target_names / draft_names -> PackedWeight or float32
         array, e.g. mapped from the weight cache or a draft file) are used as they are; otherwise
         the target is packed and `draft` cast here. `embed`: the BF16 bits of the embedding to
@@ -276,8 +296,8 @@ class NativeBackend:
         (format, packed matrices) of weight sets 2, 3, ... (needs `draft`). `shard`: the part of the
         model this tensor-parallel rank holds (default: all of it); its forward returns logits of
         its vocab rows only, and `set_reducer` must be given the reduction over the ranks.
-        `draft_kv`: what the MX draft passes attend over (DRAFT_KV_MODES); `draft_window`: see
-        check_draft_window (the draft_window property)."""
+        `draft_kv`: what the MX draft passes attend over (DRAFT_KV_MODES); `draft_window` and
+        `draft_sparse`: see check_draft_window and check_draft_sparse (the properties)."""
         if upper_drafts and draft is None:
             raise ValueError("draft levels above the draft need a draft (weight set 1)")
         self.cfg = cfg
@@ -332,7 +352,8 @@ class NativeBackend:
             self.set_bytes.append(self._set_draft(set_index, packed, ModelLoadError, f"{spec.fmt} draft"))
         self._rope_positions = 0
         self._logits = np.empty((0, shard.vocab_rows), dtype=np.float32)
-        self.draft_window = draft_window
+        self._draft_window = check_draft_window(draft_window, self.pool.draft_copy)
+        self.draft_sparse = draft_sparse  # sets both
 
     @property
     def draft_kv(self) -> str:
@@ -359,7 +380,19 @@ class NativeBackend:
     @draft_window.setter
     def draft_window(self, n: int | None) -> None:
         self._draft_window = check_draft_window(n, self.pool.draft_copy)
-        self.model.set_draft_attention(DRAFT_SINKS, self._draft_window, DRAFT_RECENT_KEYS, DRAFT_SPARSE_KEYS)
+        self.model.set_draft_attention(DRAFT_SINKS, self._draft_window, DRAFT_RECENT_KEYS, self._draft_sparse)
+
+    @property
+    def draft_sparse(self) -> int:
+        """0: the drafts attend every page of the copy; N: over the INT4 copy each draft row attends
+        about N keys of its written pages (those whose keys can score highest), besides its recent
+        keys. The target is untouched."""
+        return self._draft_sparse
+
+    @draft_sparse.setter
+    def draft_sparse(self, n: int | None) -> None:
+        self._draft_sparse = check_draft_sparse(n, self.pool.draft_copy)
+        self.model.set_draft_attention(DRAFT_SINKS, self._draft_window, DRAFT_RECENT_KEYS, self._draft_sparse)
 
     def _set_draft(self, set_index: int, packed: dict, error: type, what: str) -> int:
         """Load MX matrices into a weight set (the LM head is the target's unless `packed` has

@@ -55,11 +55,12 @@ def test_bench_prefill_quick(default_model_dir, tmp_path, capsys):
 def test_bench_e2e_context_quick(default_model_dir, tmp_path, capsys):
     out = tmp_path / "e2e.jsonl"
     e2e.main(["--quick", "--context", "256", "--ks", "2", "--temps", "0", "--no-synthetic", "--prompts", "2", "--max-new", "24",
-              "--draft-kv", "int8,bf16", "--draft-windows", "0,64", "--json", str(out)])
+              "--draft-kv", "int4,bf16", "--draft-windows", "0,64", "--draft-sparse", "0,256", "--json", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     spec = [r for r in rows if r.get("mode") == "speculative"]
-    # a draft window is a window over the draft copy: none with the BF16 cache
-    assert sorted((r["draft_kv"], r["draft_window"]) for r in spec) == [("bf16", 0), ("int8", 0), ("int8", 64)]
+    # a draft window and a sparse budget are over the draft copy: none with the BF16 cache
+    assert sorted((r["draft_kv"], r["draft_window"], r["draft_sparse"]) for r in spec) == [
+        ("bf16", 0, 0), ("int4", 0, 0), ("int4", 0, 256), ("int4", 64, 0), ("int4", 64, 256)]
     for r in spec:
         assert r["context"] == 256 and r["speedup"] > 0 and 0 < r["acceptance_rate"] <= 1 and r["c"] > 0
 
@@ -67,6 +68,7 @@ def test_bench_e2e_context_quick(default_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args,word", [(["e2e", "--context", "10"], "--context"),
                                        (["e2e", "--draft-kv", "int2"], "--draft-kv"),
                                        (["e2e", "--draft-windows", "0,-8"], "--draft-windows"),
+                                       (["e2e", "--draft-sparse", "0,8"], "--draft-sparse"),
                                        (["prefill", "--lengths", "10"], "--lengths"),
                                        (["prefill", "--peer-server", "llama-server"], "--peer-gguf")])
 def test_bad_harness_flags_are_one_error(args, word, capsys):

@@ -77,6 +77,8 @@ def test_quantize_then_generate_from_draft_file(default_model_dir, tmp_path):
     (["generate", "--draft-file", "/nonexistent.safetensors", "hi"], ["/nonexistent.safetensors"]),
     (["generate", "--draft-window", "-1", "hi"], ["--draft-window"]),
     (["generate", "--draft-window", "64", "--draft-kv", "bf16", "hi"], ["draft window", "draft KV copy"]),
+    (["generate", "--draft-sparse", "100", "hi"], ["--draft-sparse", ">= 256"]),
+    (["generate", "--draft-sparse", "512", "--draft-kv", "bf16", "hi"], ["sparse draft attention", "draft KV copy"]),
     (["convert", "/nonexistent.gguf", "/tmp/qspec-never"], ["/nonexistent.gguf"]),
     (["serve", "-c", "1000000"], ["--ctx-size", "8192"]),
     (["serve", "--draft-max", "0"], ["draft-max"]),

@@ -766,6 +766,46 @@ def test_bad_draft_window(model_dir):
         assert qspec.load(model_dir, **{"draft": "mxfp4", **kw}).backend.draft_window == 0
 
 
+def test_draft_sparse_changes_the_drafts_only_and_is_lossless(model_dir):
+    sparse = qspec.load(model_dir, draft="mxfp4", draft_kv="int4", draft_sparse=256)
+    full = qspec.load(model_dir, draft="mxfp4", draft_kv="int4")
+    assert sparse.backend.draft_sparse == 256 and full.backend.draft_sparse == 0
+    ids = np.random.default_rng(20).integers(0, 64, 1500).tolist()
+    for be in (sparse.backend, full.backend):
+        be.kv.ensure_capacity(1600)
+    # the target attends every key: the same logits and cache bits (its second pass writes the INT4 K
+    # copy of the pages below 1,495, which the sparse drafts choose among)
+    for start, end in ((0, 1495), (1495, 1500)):
+        np.testing.assert_array_equal(sparse.backend.forward(ids[start:end], start, all_logits=True),
+                                      full.backend.forward(ids[start:end], start, all_logits=True))
+    np.testing.assert_array_equal(sparse.backend.kv.data[:, :, :1500], full.backend.kv.data[:, :, :1500])
+    # a draft pass past 256 keys of written pages below the recent ones does not, row by row
+    rows = sparse.backend.forward(ids[-5:], 1495, draft=True, all_logits=True)
+    assert not np.array_equal(rows, full.backend.forward(ids[-5:], 1495, draft=True, all_logits=True))
+    np.testing.assert_array_equal(sparse.backend.forward(ids[-3:-2], 1497, draft=True), rows[2:3])
+    want = sparse.generate(ids, max_new_tokens=24, speculative=False).tokens
+    for kw in (dict(draft_max=4), dict(draft_max="auto"), dict(tree="on")):
+        r = sparse.generate(ids, max_new_tokens=24, **kw)
+        assert r.tokens == want, kw
+        assert r.stats["drafted"] > 0
+    sparse.backend.draft_sparse = 0  # off again: the full drafts
+    np.testing.assert_array_equal(sparse.backend.forward(ids[-5:], 1495, draft=True, all_logits=True),
+                                  full.backend.forward(ids[-5:], 1495, draft=True, all_logits=True))
+
+
+def test_bad_draft_sparse(model_dir):
+    for bad in (-1, 100, 255, 1.5, True, "512"):
+        with pytest.raises(ValueError, match="draft_sparse"):
+            qspec.load(model_dir, draft="mxfp4", draft_sparse=bad)
+    for kw in (dict(draft_kv="bf16"), dict(draft=None), dict(draft="ngram")):
+        with pytest.raises(ValueError, match="sparse draft attention needs a draft KV copy"):
+            qspec.load(model_dir, **{"draft": "mxfp4", **kw}, draft_sparse=512)
+    be = qspec.load(model_dir, draft="mxfp4").backend
+    with pytest.raises(ValueError, match="draft_sparse"):
+        be.draft_sparse = 10
+    assert be.draft_sparse == 0
+
+
 def test_copy_format_by_head_dim():
     from qspec.kv_cache import KVPool
     from qspec.native import draft_copy_format

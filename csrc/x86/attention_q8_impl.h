@@ -429,12 +429,19 @@ inline void q8_emit(__m256 dot, __m256 vscale, int64_t nk, float* sc, __m256& vm
   vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
 }
 
-// scores[j] = exp(scores[j] - max) for j < n; Σ in a fixed order.
-inline float q8_exp_pass(float* scores, int64_t n, float max_s) {
+// scores[j] = exp(scores[j] - max) for j < n; Σ in a fixed order. Full 8-key blocks for which
+// dropped(j) holds (all their scores -inf: the sparse draft attention's) get zeros without an exp:
+// their exact zero terms would leave the sums as they are.
+template <class Dropped>
+inline float q8_exp_pass(float* scores, int64_t n, float max_s, Dropped&& dropped) {
   const __m256 vmax = _mm256_set1_ps(max_s);
   __m256 vsum = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {  // full blocks in place; the partial one below, the same arithmetic
+    if (dropped(j)) {
+      _mm256_storeu_ps(scores + j, _mm256_setzero_ps());
+      continue;
+    }
     const __m256 e = avx2::exp(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmax));
     _mm256_storeu_ps(scores + j, e);
     vsum = _mm256_add_ps(vsum, e);
@@ -683,7 +690,8 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
           stat[u * 8 + 2] = 0.f;
           continue;
         }
-        stat[u * 8] = q8_exp_pass(sc + kbeg, n_of(u) - kbeg, m);
+        stat[u * 8] = q8_exp_pass(sc + kbeg, n_of(u) - kbeg, m,
+                                  [&](int64_t j) { return !attn_key_kept(a, row_of(u), kvh, kbeg + j); });
         stat[u * 8 + 1] = m;
         stat[u * 8 + 2] = 0.f;  // no recent keys summed yet
       }
