@@ -102,7 +102,8 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
                    "with a draft KV copy)")
     g.add_argument("--draft-sparse", type=sparse_keys, default=None, metavar="N",
                    help="over the INT4 draft KV copy each draft step attends about N tokens of the context, those "
-                   "whose keys can score highest, besides the latest ones; 0 = every token (default 0)")
+                   "whose keys can score highest, besides the latest ones; 0 = every token (default: 2048 with a "
+                   "draft KV copy)")
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
                    help="tokens of context, prompt + completion (per request when serving; default: the "
                    "model's); the KV cache is sized to it, after checking that it fits in memory")

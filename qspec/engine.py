@@ -483,8 +483,8 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     0: every token; None (default): qspec.native.DEFAULT_DRAFT_WINDOW (8,192) when there is a copy.
     `draft_sparse`: N >= 256: over the INT4 copy each draft row attends about N tokens of its
     written pages, those whose keys can score highest (Quest's per-page bound), besides its latest
-    ones; 0 / None (default, qspec.native.DEFAULT_DRAFT_SPARSE): every page. Drafts only: the output
-    is unchanged.
+    ones; 0: every page; None (default): qspec.native.DEFAULT_DRAFT_SPARSE (2,048) when there is a
+    copy. Drafts only: the output is unchanged.
     Raises `qspec.ModelLoadError` (or `qspec.DraftFileError`) for a missing, corrupt or
     unsupported model or draft file, `qspec.TensorParallelError` when the ranks cannot be set up,
     and ValueError for invalid arguments.

@@ -50,13 +50,14 @@ DEFAULT_DRAFT_WINDOW = 8192
 # tokens: acceptance 0.813 with none, 0.846 with 64, 0.881 with 256 (as over the BF16 rows: 0.881),
 # 0.888 with 1,024; 256 keys add ~11% to the bytes a draft step reads from the copy at 8k.
 DRAFT_RECENT_KEYS = 256
-# The sparse draft attention's budget `draft_sparse=None` gives (csrc/draft_pages.cpp: over the INT4
-# copy each draft row attends about N keys of its written pages, those whose per-channel bounds
-# allow the highest scores, besides its recent keys; 0: every page). Off: at 8k tokens (K = 4, 3
-# prompts x 64 greedy tokens) the drafts accepted 0.881 over every page, 0.827 with N = 2,048 and
-# 0.777 with 1,024, while one draft row's attention over the copy took 16.2 -> 8.6 ms a step
-# (README, "Long prompts").
-DEFAULT_DRAFT_SPARSE = 0
+# The sparse draft attention's budget `draft_sparse=None` gives with a draft copy (csrc/draft_pages.cpp:
+# over the INT4 copy each draft row attends about N keys of its written pages, those whose
+# per-channel bounds allow the highest scores, besides its recent keys; 0: every page). At 8k
+# tokens (Qwen2.5-Coder-1.5B, AMX Xeon VM, 3 prompts x 64 greedy tokens, auto K, one run side by
+# side) every page 1.71x (c 0.339), 2,048 keys 1.88x (c 0.293), 4,096 keys 1.79x (c 0.316); at K = 4
+# the drafts accepted 0.881 / 0.827 / 0.896 (README, "Long prompts"). Below ~2.4k tokens it
+# changes nothing.
+DEFAULT_DRAFT_SPARSE = 2048
 
 
 def check_draft_sparse(draft_sparse, copy: str | None) -> int:

@@ -768,7 +768,7 @@ def test_bad_draft_window(model_dir):
 
 def test_draft_sparse_changes_the_drafts_only_and_is_lossless(model_dir):
     sparse = qspec.load(model_dir, draft="mxfp4", draft_kv="int4", draft_sparse=256)
-    full = qspec.load(model_dir, draft="mxfp4", draft_kv="int4")
+    full = qspec.load(model_dir, draft="mxfp4", draft_kv="int4", draft_sparse=0)
     assert sparse.backend.draft_sparse == 256 and full.backend.draft_sparse == 0
     ids = np.random.default_rng(20).integers(0, 64, 1500).tolist()
     for be in (sparse.backend, full.backend):
@@ -794,6 +794,8 @@ def test_draft_sparse_changes_the_drafts_only_and_is_lossless(model_dir):
 
 
 def test_bad_draft_sparse(model_dir):
+    from qspec.native import DEFAULT_DRAFT_SPARSE
+
     for bad in (-1, 100, 255, 1.5, True, "512"):
         with pytest.raises(ValueError, match="draft_sparse"):
             qspec.load(model_dir, draft="mxfp4", draft_sparse=bad)
@@ -801,9 +803,12 @@ def test_bad_draft_sparse(model_dir):
         with pytest.raises(ValueError, match="sparse draft attention needs a draft KV copy"):
             qspec.load(model_dir, **{"draft": "mxfp4", **kw}, draft_sparse=512)
     be = qspec.load(model_dir, draft="mxfp4").backend
+    assert be.draft_sparse == DEFAULT_DRAFT_SPARSE  # the default with a copy
     with pytest.raises(ValueError, match="draft_sparse"):
         be.draft_sparse = 10
-    assert be.draft_sparse == 0
+    assert be.draft_sparse == DEFAULT_DRAFT_SPARSE
+    for kw in (dict(draft_kv="bf16"), dict(draft=None)):  # the default without a copy: none
+        assert qspec.load(model_dir, **{"draft": "mxfp4", **kw}).backend.draft_sparse == 0
 
 
 def test_copy_format_by_head_dim():
