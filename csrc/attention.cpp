@@ -454,18 +454,25 @@ RegionTiming& attn_timing() {
   return t;
 }
 
+namespace {
+// a.page_keep = keep, as attn_select_pages fills it (csrc/draft_pages.cpp), a.page_stride pages a row.
+void attn_choose_pages(AttnArgs& a, std::vector<uint8_t>& keep) {
+  a.page_stride = (attn_max_keys(a, 0, a.m) + a.kv.k_group - 1) / a.kv.k_group;
+  keep.assign(size_t(a.m * a.kv.kv_heads * a.page_stride), 1);
+  attn_select_pages(a, keep.data());
+  a.page_keep = keep.data();
+}
+}  // namespace
+
 void attention_path(AttnPath p, const AttnArgs& a) {
   if (!attn_supports(p, a))
     throw std::invalid_argument(std::string("attention path '") + attn_path_name(p) +
                                 "' is not supported on this CPU / ISA level / head_dim");
   if (a.m <= 0) return;
-  if (attn_sparse(a) && !a.page_keep) {  // the pages each row attends first (csrc/draft_pages.cpp)
+  if (attn_sparse(a) && !a.page_keep) {  // the pages each row attends first
     AttnArgs b = a;
-    b.page_stride = (attn_max_keys(a, 0, a.m) + a.kv.k_group - 1) / a.kv.k_group;
     thread_local std::vector<uint8_t> keep;
-    keep.assign(size_t(a.m * a.kv.kv_heads * b.page_stride), 1);
-    attn_select_pages(b, keep.data());
-    b.page_keep = keep.data();
+    attn_choose_pages(b, keep);
     return attention_path(p, b);
   }
   const bool q8 = a.draft_q8;  // the draft copy (with windows and sinks: attention_q8_impl.h)
@@ -607,16 +614,9 @@ py::object attention_py(py::array q_in, py::array kv_in, int64_t layer, int64_t 
   a.out = out.mutable_data();
   a.kv.data = static_cast<uint16_t*>(const_cast<void*>(kv_in.data()));
   std::vector<uint8_t> keep;
-  if (kept_pages && attn_sparse(a)) {  // chosen here to be returned (attention_path takes them)
-    a.page_stride = (attn_max_keys(a, 0, a.m) + a.kv.k_group - 1) / a.kv.k_group;
-    keep.assign(size_t(a.m * a.kv.kv_heads * a.page_stride), 1);
-  }
   {
     py::gil_scoped_release release;
-    if (!keep.empty()) {
-      attn_select_pages(a, keep.data());
-      a.page_keep = keep.data();
-    }
+    if (kept_pages && attn_sparse(a)) attn_choose_pages(a, keep);  // here, to be returned
     attention_path(p, a);
   }
   if (!kept_pages) return std::move(out);

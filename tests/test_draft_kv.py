@@ -371,6 +371,20 @@ def test_window_and_sinks_against_f64(path, window, sinks, start_pos, m, fmt):
         np.testing.assert_array_equal(one[0], got[i])
 
 
+def linear_path_cache(kv, q8, prefix, parents, i):
+    """The cache and copy with tree row i's path laid out linearly from `prefix` (rows; the K
+    groups' flags stay), and that row's position there."""
+    path_slots, s = [], prefix + i
+    while s != -1:
+        path_slots.insert(0, s)
+        s = parents[s - prefix]
+    lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
+    for j, slot in enumerate(path_slots):
+        for a, b in zip((lin_kv, *lin_q8[:4]), (kv, *q8[:4])):
+            a[:, :, prefix + j] = b[:, :, slot]
+    return lin_kv, lin_q8, prefix + len(path_slots) - 1
+
+
 # The latest keys of each row from the BF16 rows (csrc/attention.h recent_keys): alone, with a
 # window and sinks, and past a segment's end (rows whose recent keys span two segments).
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -407,16 +421,8 @@ def test_recent_keys_tree_rows_equal_linear_path(path, fmt):
     for recent in (3, 40):
         got = _C.attention(q, kv, 0, prefix, path=path, tree=(prefix, parents), q8=q8, recent=recent)
         for i in range(m):
-            path_slots, s = [], prefix + i
-            while s != -1:
-                path_slots.insert(0, s)
-                s = parents[s - prefix]
-            lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
-            for j, slot in enumerate(path_slots):
-                for a, b in zip((lin_kv, *lin_q8[:4]), (kv, *q8[:4])):
-                    a[:, :, prefix + j] = b[:, :, slot]
-            lin = _C.attention(q[i:i + 1], lin_kv, 0, prefix + len(path_slots) - 1, path=path, q8=lin_q8,
-                               recent=recent)
+            lin_kv, lin_q8, pos = linear_path_cache(kv, q8, prefix, parents, i)
+            lin = _C.attention(q[i:i + 1], lin_kv, 0, pos, path=path, q8=lin_q8, recent=recent)
             np.testing.assert_array_equal(got[i], lin[0])
 
 
@@ -483,16 +489,8 @@ def test_sparse_tree_rows_equal_linear_path(path):
                              kept_pages=True)
     assert not kept.all()
     for i in range(m):
-        path_slots, s = [], prefix + i
-        while s != -1:
-            path_slots.insert(0, s)
-            s = parents[s - prefix]
-        lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
-        for j, slot in enumerate(path_slots):
-            for a, b in zip((lin_kv, *lin_q8[:4]), (kv, *q8[:4])):
-                a[:, :, prefix + j] = b[:, :, slot]
-        lin = _C.attention(q[i:i + 1], lin_kv, 0, prefix + len(path_slots) - 1, path=path, q8=lin_q8, recent=3,
-                           sparse=256)
+        lin_kv, lin_q8, pos = linear_path_cache(kv, q8, prefix, parents, i)
+        lin = _C.attention(q[i:i + 1], lin_kv, 0, pos, path=path, q8=lin_q8, recent=3, sparse=256)
         np.testing.assert_array_equal(got[i], lin[0])
 
 
@@ -572,15 +570,7 @@ def test_tree_rows_equal_linear_path(path, prefix, fmt):
     q = rng.standard_normal((m, 4, 64)).astype(np.float32)
     got = _C.attention(q, kv, 0, prefix, path=path, tree=(prefix, parents), q8=q8)
     for i in range(m):
-        path_slots, s = [], prefix + i
-        while s != -1:
-            path_slots.insert(0, s)
-            s = parents[s - prefix]
-        lin_kv, lin_q8 = kv.copy(), tuple(a.copy() for a in q8)
-        for j, slot in enumerate(path_slots):
-            for a, b in zip((lin_kv, *lin_q8[:4]), (kv, *q8[:4])):  # rows; the K groups' flags stay
-                a[:, :, prefix + j] = b[:, :, slot]
-        pos = prefix + len(path_slots) - 1
+        lin_kv, lin_q8, pos = linear_path_cache(kv, q8, prefix, parents, i)
         lin = _C.attention(q[i:i + 1], lin_kv, 0, pos, path=path, q8=lin_q8)
         np.testing.assert_array_equal(got[i], lin[0])
 
