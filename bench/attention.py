@@ -1,10 +1,12 @@
 """Attention over the BF16 cache per path, decode / verify / prefill shapes:
 `qspec bench attention [--model NAME|DIR] [--contexts 512,2048,8192] [--ms 1,5,9,16] [--paths avx512,amx]
-[--draft-kv int8|int4]`.
+[--draft-kv int8|int4 [--draft-sparse 0,2048]]`.
 
 --draft-kv times the MX drafts' attention instead: over that draft copy of the cache (every whole
 page's INT4 K written, as a draft step past the prompt reads it; csrc/x86/attention_q8_impl.h),
-kv_gbps then counting the copy's bytes.
+each row's latest qspec.native.DRAFT_RECENT_KEYS keys from the BF16 rows as the drafts read them,
+kv_gbps then counting the copy's bytes. --draft-sparse repeats each path per sparse draft attention
+budget (csrc/draft_pages.cpp; 0 = every page), column draft_sparse.
 
 For every usable path (`_C.attn_paths()`, or --paths) and context L, the rows of one step at
 positions L - M .. L - 1 (M = 1: decode; K + 1: a verify; --prefill adds M = L from position 0)
@@ -28,7 +30,9 @@ import numpy as np
 
 from .common import JsonWriter, fmt_table, llc_bytes, parent_parser, print_header, setup
 from qspec import _C
+from qspec.cli import sparse_keys
 from qspec.memory import PAGE_SIZE, draft_copy_arrays, draft_copy_of
+from qspec.native import DRAFT_RECENT_KEYS
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64, 30), "qwen2.5-coder-1.5b": (12, 2, 128, 28)}  # heads, kv, hd, layers
 
@@ -62,6 +66,7 @@ def run(args) -> list[dict]:
     ms = sorted(set([1] + (args.ms or ([1, 5] if args.quick else [1, 5, 9, 16]))))
     reps = args.reps or (3 if args.quick else 7)
     rng = np.random.default_rng(0)
+    variants = [(p, b) for p in paths for b in (args.draft_sparse or [0])]  # (path, sparse budget)
     probe = _C.ReadProbe(8 * llc_bytes(), threads)
     rows: list[dict] = []
     print(f"# model shape {label}: {heads} query heads, {kv_heads} KV heads, head_dim {hd}, {layers} layers; "
@@ -77,35 +82,36 @@ def run(args) -> list[dict]:
             n_rows = -(-(L + max(ms)) // PAGE_SIZE) * PAGE_SIZE  # whole pages
             kv = (rng.standard_normal((n_layers, 2, n_rows, kv_heads, hd), dtype=np.float32)
                   .view(np.uint32) >> 16).astype(np.uint16)
-            kw = {"q8": draft_copy_of(kv, args.draft_kv, L // PAGE_SIZE * PAGE_SIZE)} if args.draft_kv else {}
+            kw = {"q8": draft_copy_of(kv, args.draft_kv, L // PAGE_SIZE * PAGE_SIZE),
+                  "recent": DRAFT_RECENT_KEYS} if args.draft_kv else {}
             cases = [(m, L - m) for m in ms if m <= L] + ([(L, 0)] if args.prefill else [])
             qs = {m: rng.standard_normal((m, heads, hd), dtype=np.float32) for m, _ in cases}
-            times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in paths for m, _ in cases}
+            times: dict[tuple[str, int, int], list[float]] = {(p, b, m): [] for p, b in variants for m, _ in cases}
             layer = 0
             for r in range(reps + 1):  # the first round warms up
                 for m, start in cases:
-                    for p in paths:
+                    for p, b in variants:
                         t0 = time.perf_counter()
-                        _C.attention(qs[m], kv, layer, start, path=p, **kw)
+                        _C.attention(qs[m], kv, layer, start, path=p, sparse=b, **kw)
                         dt = time.perf_counter() - t0
                         layer = (layer + 1) % n_layers
                         if r:
-                            times[(p, m)].append(dt)
+                            times[(p, b, m)].append(dt)
             gbps = probe.nbytes / min(probe.run(2)) / 1e9
-            base = {m: statistics.median(times[(paths[0], m)]) for m, _ in cases}
+            base = {m: statistics.median(times[(*variants[0], m)]) for m, _ in cases}
             for m, start in cases:
                 pair_keys = sum(start + i + 1 for i in range(m)) * heads
-                for p in paths:
-                    s = statistics.median(times[(p, m)])
-                    one = statistics.median(times[(p, 1)])
-                    row = {"path": p, "context": L, "m": m, "ms_per_step": s * layers * 1e3,
+                for p, b in variants:
+                    s = statistics.median(times[(p, b, m)])
+                    one = statistics.median(times[(p, b, 1)])
+                    row = {"path": p, "draft_sparse": b, "context": L, "m": m, "ms_per_step": s * layers * 1e3,
                            "a(M)": s / one, "gflops": 4 * pair_keys * hd / s / 1e9,
                            "kv_gbps": layer_bytes / s / 1e9, "read_gbps": gbps,
                            f"vs_{paths[0]}": s / base[m], "draft_kv": args.draft_kv or "bf16", "synthetic": True}
                     rows.append(row)
                     out.write(row)
             del kv, kw
-    print(fmt_table(rows, ["path", "context", "m", "ms_per_step", "a(M)", "gflops", "kv_gbps", "read_gbps",
+    print(fmt_table(rows, ["path", *(["draft_sparse"] if args.draft_sparse else []), "context", "m", "ms_per_step", "a(M)", "gflops", "kv_gbps", "read_gbps",
                            f"vs_{paths[0]}"]))
     return rows
 
@@ -123,7 +129,12 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7, --quick 3)")
     ap.add_argument("--draft-kv", choices=["int8", "int4"], default=None,
                     help="attend over this draft copy of the cache (the MX drafts' attention) instead of BF16")
+    ap.add_argument("--draft-sparse", type=csv(sparse_keys), default=None,
+                    help="with --draft-kv int4: comma list of sparse draft attention budgets to compare (0 = every "
+                    "page; default 0)")
     args = ap.parse_args(argv)
+    if args.draft_sparse and args.draft_kv != "int4":
+        ap.error("--draft-sparse needs --draft-kv int4")
     for name in ("contexts", "ms"):
         if any(v < 1 for v in getattr(args, name) or []):
             ap.error(f"--{name} values must be >= 1")

@@ -47,9 +47,25 @@ def test_attention_over_the_draft_copy(tmp_path, fmt):
         assert r["kv_gbps"] * r["ms_per_step"] / 28 * 1e-3 * 1e9 < bf16_bytes * (0.3 if fmt == "int4" else 0.55)
 
 
+def test_attention_sparse_budgets_side_by_side(tmp_path):
+    out = tmp_path / "attn.jsonl"
+    threads = _C.get_num_threads()
+    try:
+        attention.main(["--quick", "--contexts", "2000", "--ms", "1", "--reps", "2", "--draft-kv", "int4",
+                        "--draft-sparse", "0,256", "--json", str(out)])
+    finally:
+        _C.set_num_threads(threads)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    paths = [p for p in _C.attn_paths() if p != "ref"] or ["ref"]
+    assert sorted((r["path"], r["draft_sparse"]) for r in rows) == sorted((p, b) for p in paths for b in (0, 256))
+    assert all(r["ms_per_step"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("args,word", [(["--paths", "avx9"], "avx9"), (["--ms", "0"], "--ms"),
                                        (["--contexts", "1,-4"], "--contexts"), (["--reps", "0"], "--reps"),
-                                       (["--draft-kv", "int2"], "--draft-kv")])
+                                       (["--draft-kv", "int2"], "--draft-kv"),
+                                       (["--draft-kv", "int4", "--draft-sparse", "0,100"], "--draft-sparse"),
+                                       (["--draft-sparse", "512"], "--draft-sparse")])
 def test_bad_attention_flags_are_one_error(args, word, capsys):
     with pytest.raises(SystemExit) as e:
         attention.main(args)
