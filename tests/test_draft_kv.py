@@ -480,6 +480,18 @@ def test_sparse_pages_against_f64(path, sparse, recent, window, sinks, start_pos
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kv_heads,hd", [(1, 96), (2, 256)])  # key blocks across pages; half-page blocks
+def test_sparse_pages_other_head_dims(path, kv_heads, hd):
+    kv, q8 = make_cache(2004, kv_heads, hd, seed=21, fmt="int4", final=1984)
+    q = np.random.default_rng(22).standard_normal((3, 4 * kv_heads, hd)).astype(np.float32)
+    got, kept = _C.attention(q, kv, 1, 2000, path=path, q8=q8, recent=40, sparse=512, kept_pages=True)
+    assert not kept.all()
+    vals = dequant_copy(kv, *q8)
+    want = attention_f64(q, vals, 1, 2000, recent=40, kv=kv, kept=kept, int_k=q8 if path in INT_K_PATHS else None)
+    np.testing.assert_allclose(got, want, **copy_tol(path, "int4", vals))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_sparse_tree_rows_equal_linear_path(path):
     prefix, parents = 1100, [-1, 1100, 1100, 1101, 1103, 1102]
     m = len(parents)

@@ -49,7 +49,7 @@ DRAFT_KV_FAST = [f"test_draft_kv.py::{t}" for t in (
     "test_kernel_against_f64", "test_window_and_sinks_against_f64", "test_kernel_batch_invariant_and_deterministic",
     "test_tree_rows_equal_linear_path", "test_int4_k_sums_the_same_with_and_without_vnni",
     "test_recent_keys_against_f64", "test_recent_keys_tree_rows_equal_linear_path", "test_sparse_pages_against_f64",
-    "test_sparse_tree_rows_equal_linear_path")]
+    "test_sparse_tree_rows_equal_linear_path", "test_sparse_pages_other_head_dims")]
 FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py", *TREE_FAST, *DRAFT_KV_FAST,
         "test_speculative.py::test_greedy_lossless_each_level"]  # the default draft, short cases
 FULL = ["test_gemm.py", "test_attention.py", "test_native_model.py", "test_speculative.py",
