@@ -507,7 +507,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   const bool int_k = false;
 #endif
   // scratch: FP32 K/V block | own keys | scores | V accumulators | the recent keys' V sums (in
-  // the plain basis) | q | running max, then Σ, then whether there were recent keys;
+  // the plain basis) | q | running max, then Σ;
   // int_k: unpacked K rows of the block and the tail (int16) | their groups | per pair a table
   const int64_t k4_floats = int_k ? ((kb + tb) * hd + np * hd) / 2 + 2 * (kb + tb) + 8 * np + 16 : 0;
 #ifdef QSPEC_Q8_AMX
@@ -527,7 +527,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   float* accs = scores + np * sc_stride;
   float* raccs = accs + np * hd;
   float* qs = raccs + np * hd;
-  float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max, recent summed}
+  float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max}
   int16_t* kub = reinterpret_cast<int16_t*>(stat + np * 8);  // (kb + tb) rows of head_dim int16
   int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hd);  // kb + tb
   int16_t* qtab = reinterpret_cast<int16_t*>(kgrp + kb + tb);  // np rows of head_dim int16
@@ -687,13 +687,11 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
           for (int64_t j = kbeg; j < n_of(u); ++j) sc[j] = 0.f;
           stat[u * 8] = 0.f;
           stat[u * 8 + 1] = m;
-          stat[u * 8 + 2] = 0.f;
           continue;
         }
         stat[u * 8] = q8_exp_pass(sc + kbeg, n_of(u) - kbeg, m,
                                   [&](int64_t j) { return !attn_key_kept(a, row_of(u), kvh, kbeg + j); });
         stat[u * 8 + 1] = m;
-        stat[u * 8 + 2] = 0.f;  // no recent keys summed yet
       }
     // blk: the block's FP32 rows from key jb on (int_k K: k4_prepare's, with ub and g)
     // scores (K) or V sums into vsum (V) of pair u over keys [j0, e) of blk (row j - jb: key j)
@@ -726,7 +724,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     };
     // Each row's own keys [t0, n) (recent_only: its recent keys only), loaded once per row (a row's
     // pairs are consecutive): K scores, or V sums: the copy's keys into accs, the recent keys'
-    // BF16 rows into raccs (stat[u * 8 + 2] set).
+    // BF16 rows into raccs (a live pair has some of them in this segment iff rec_of(u) < n_of(u)).
     auto own_keys = [&](bool recent_only) {
       int64_t own_row = -1;
       for (int64_t u = 0; tb > 0 && u < np; ++u) {
@@ -744,7 +742,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
           continue;
         }
         if (rec > from) run(u, tbuf, ub, g, from, from, rec < n ? rec : n, accs);
-        if (rec < n) run(u, tbuf, ub, g, from, rec, n, raccs), stat[u * 8 + 2] = 1.f;
+        if (rec < n) run(u, tbuf, ub, g, from, rec, n, raccs);
       }
     };
 #ifdef QSPEC_Q8_AMX
@@ -780,7 +778,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
     if (!live(u)) continue;  // below its window and past its sinks: no partial
     float* acc = accs + u * hd;
     const float* racc = raccs + u * hd;
-    const bool recent = stat[u * 8 + 2] != 0.f;
+    const bool recent = rec_of(u) < n_of(u);  // V sums of recent keys in raccs
     float* out;
     float inv;
     if (n_full(u) <= kAttnSegKeys) {
