@@ -643,7 +643,7 @@ void bind_attention(py::module_& m) {
         "pages (int32) with page_size: a paged cache, position p in pool row pages[p / page_size] * "
         "page_size + p % page_size; sinks (with q8 and a window): keys 0 .. sinks - 1 are attended too; "
         "recent (with q8): a row at position p reads keys p - recent + 1 .. p from kv's BF16 rows; "
-        "sparse (with an INT4 q8, no window): each row attends about that many keys of its written "
+        "sparse (with an INT4 q8): each row attends about that many keys of its written "
         "pages (csrc/draft_pages.cpp); kept_pages: return (out, kept [m, kv_heads, pages] bool)");
   m.def("attn_paths", [] {
     std::vector<std::string> names;

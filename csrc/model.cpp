@@ -194,8 +194,8 @@ class Model {
   // Draft passes over the draft copy: on layers without a sliding window they attend only the
   // first `sinks` keys and the `window` most recent ones (attention.h sink_keys; window 0: every
   // key), and on every layer they read each row's `recent` latest keys from the BF16 rows
-  // (attention.h recent_keys; 0: none); over an INT4 copy without a window they attend about
-  // `sparse` keys of each row's written pages (attention.h sparse_keys; 0: all).
+  // (attention.h recent_keys; 0: none); over an INT4 copy they attend about `sparse` keys of each
+  // row's written pages (attention.h sparse_keys; 0: all).
   void set_draft_attention(int64_t sinks, int64_t window, int64_t recent, int64_t sparse) {
     if (window < 0) throw std::invalid_argument("draft window must be >= 0");
     if (sinks < 0 || sinks > kAttnSegKeys)
@@ -508,8 +508,8 @@ void bind_model(py::module_& m) {
       .def("set_draft_attention", &Model::set_draft_attention, py::arg("sinks"), py::arg("window"), py::arg("recent"),
            py::arg("sparse"),
            "draft passes over the draft copy attend the first `sinks` and the last `window` keys (0: all), "
-           "read each row's `recent` latest keys from the BF16 rows (0: none) and, over an INT4 copy "
-           "without a window, about `sparse` keys of each row's written pages (0: all)")
+           "read each row's `recent` latest keys from the BF16 rows (0: none) and, over an INT4 copy, "
+           "about `sparse` keys of each row's written pages (0: all)")
       .def("set_lm_head", &Model::set_lm_head, py::arg("set"), py::arg("w"))
       .def("set_rope", &Model::set_rope, py::arg("cos"), py::arg("sin"), py::arg("table") = 0)
       .def("has_set", &Model::has_set, py::arg("set"))
