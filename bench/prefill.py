@@ -12,10 +12,15 @@ Per prompt length L (real text: a standard-library source file and a question, b
   gemm_gflops    FLOPs of the prefill's GEMMs (2 · L · the GEMM weights of every layer, plus the LM
                  head's one row) / their time in qspec's forward profile; gemm_share = that time /
                  prefill time, attention_share = attention's
-  peak_gflops    the CPU's peak for the kernel family the GEMMs run at the selected ISA level:
-                 threads x clock x FLOPs per cycle and core (FP32 FMA: 2 x 8 lanes x 2 on AVX2,
-                 2 x 16 x 2 on AVX-512; vdpbf16ps: 2 x 32 x 2 on AVX512-BF16; AMX TDPBF16PS:
-                 1024), clock = the highest 'cpu MHz' of /proc/cpuinfo (or the cpufreq maximum)
+  peak_gflops    the CPU's peak for the kernel family the GEMMs run at the selected ISA level,
+                 measured in the same run (_C.compute_peak: register-only chains of vfmadd231ps
+                 on AVX2 / AVX-512, vdpbf16ps on AVX512-BF16, TDPBF16PS on AMX, on every thread);
+                 of_peak = gemm_gflops / peak_gflops. clock_peak_gflops is the clock-based figure
+                 beside it: threads x clock x FLOPs per cycle and core (FP32 FMA: 2 x 8 lanes x 2
+                 on AVX2, 2 x 16 x 2 on AVX-512; vdpbf16ps: 2 x 32 x 2; AMX TDPBF16PS: 1024),
+                 clock = the highest 'cpu MHz' of /proc/cpuinfo (or the cpufreq maximum). A VM
+                 shows neither the real clock nor the issue rate (Zen 4 issues one 512-bit
+                 vdpbf16ps a cycle, Sapphire Rapids two), so the measured peak is the one to use.
   torch_gflops   torch.nn.functional.linear (oneDNN) BF16 on the model's MLP gate|up shape
                  [min(L, 2048), hidden] x [2 · intermediate, hidden]^T, same run and threads;
                  qspec_mlp_gflops is qspec's gate|up GEMM in the prefill
@@ -42,6 +47,8 @@ from qspec import _C
 
 # FLOPs per cycle and core of the GEMM kernel family at each ISA level (module docstring)
 FLOPS_PER_CYCLE = {"scalar": 2, "avx2": 32, "avx512": 64, "avx512_bf16": 128, "amx": 1024}
+# the GEMM kernel family's instruction at each ISA level, as _C.compute_peak names it
+PEAK_KIND = {"avx2": "fma_avx2", "avx512": "fma_avx512", "avx512_bf16": "dpbf16", "amx": "amx_bf16"}
 
 
 def cpu_clock_hz() -> float | None:
@@ -58,9 +65,15 @@ def cpu_clock_hz() -> float | None:
         return None
 
 
-def peak_gflops(threads: int, isa: str) -> float | None:
+def clock_peak_gflops(threads: int, isa: str) -> float | None:
     hz = cpu_clock_hz()
     return None if hz is None else threads * hz * FLOPS_PER_CYCLE[isa] / 1e9
+
+
+def measured_peak_gflops(isa: str) -> float | None:
+    """The GEMM family's measured peak on the pool's threads (median of 3 probes), None on scalar."""
+    kind = PEAK_KIND.get(isa)
+    return None if kind is None else statistics.median(_C.compute_peak(kind, 0.25) for _ in range(3))
 
 
 def gemm_flops(eng, n: int) -> float:
@@ -150,10 +163,9 @@ def main(argv=None) -> None:
         print(f"# lengths above {fit} tokens run at {fit} (the model's context is {eng.cfg.max_seq_len})", flush=True)
         args.lengths = sorted({min(n, fit) for n in args.lengths})
     isa = _C.isa_selected()
-    peak = peak_gflops(args.threads, isa)
-    clock = cpu_clock_hz()
-    print(f"# model {model_label(eng)}; GEMM peak {peak and f'{peak:.0f}'} GFLOP/s = {args.threads} threads x "
-          f"{clock and f'{clock / 1e9:.2f}'} GHz x {FLOPS_PER_CYCLE[isa]} FLOP/cycle ({isa})", flush=True)
+    clock_peak, clock = clock_peak_gflops(args.threads, isa), cpu_clock_hz()
+    print(f"# model {model_label(eng)}; GEMM clock peak {clock_peak and f'{clock_peak:.0f}'} GFLOP/s = {args.threads} "
+          f"threads x {clock and f'{clock / 1e9:.2f}'} GHz x {FLOPS_PER_CYCLE[isa]} FLOP/cycle ({isa})", flush=True)
     prompts = {n: long_prompts(eng, n, 1)[0] for n in args.lengths}
     qspec_prefill(eng, prompts[args.lengths[0]][:64])  # warm-up: page the weights in
     rows = []
@@ -161,12 +173,13 @@ def main(argv=None) -> None:
         peer = llama_cpp_runner(args, eng, stack)
         for n, ids in prompts.items():
             runs = [qspec_prefill(eng, ids) for _ in range(args.reps)]
+            peak = measured_peak_gflops(isa)  # beside every length: the host's load moves it
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             gf = gemm_flops(eng, len(ids)) - 2.0 * eng.cfg.hidden_size * eng.cfg.vocab_size
             mlp = 2.0 * len(ids) * eng.cfg.n_layers * 2 * eng.cfg.intermediate_size * eng.cfg.hidden_size
             row = {"mode": "prefill", "model": model_label(eng), "prompt_tokens": len(ids), "ttft_s": med["ttft_s"],
                    "prompt_tok_s": len(ids) / med["prefill_s"], "gemm_gflops": gf / med["gemm_s"] / 1e9,
-                   "peak_gflops": peak, "gemm_share": med["gemm_s"] / med["prefill_s"],
+                   "peak_gflops": peak, "clock_peak_gflops": clock_peak, "gemm_share": med["gemm_s"] / med["prefill_s"],
                    "attention_share": med["attention_s"] / med["prefill_s"],
                    "qspec_mlp_gflops": mlp / med["mlp_s"] / 1e9,
                    "torch_gflops": torch_mlp_gflops(eng.cfg, min(len(ids), 2048), 3 if args.quick else 5),
@@ -178,8 +191,10 @@ def main(argv=None) -> None:
                 row.update(llama_cpp_prompt_tok_s=len(ids) / t, vs_llama_cpp=row["prompt_tok_s"] * t / len(ids))
             rows.append(row)
             out.write(row)
+            if peak is not None:
+                print(f"# measured GEMM peak ({PEAK_KIND[isa]}, {args.threads} threads): {peak:.0f} GFLOP/s", flush=True)
             print(f"# {len(ids)} tokens: TTFT {row['ttft_s']:.2f} s, {row['prompt_tok_s']:.0f} tok/s", flush=True)
-        cols = ("prompt_tokens", "ttft_s", "prompt_tok_s", "gemm_gflops", "peak_gflops", "of_peak", "gemm_share",
+        cols = ("prompt_tokens", "ttft_s", "prompt_tok_s", "gemm_gflops", "peak_gflops", "of_peak", "clock_peak_gflops", "gemm_share",
                 "attention_share", "qspec_mlp_gflops", "torch_gflops", "qspec_mlp_vs_torch",
                 "llama_cpp_prompt_tok_s", "vs_llama_cpp")
         print(fmt_table(rows, [c for c in cols if c in rows[0]]), flush=True)

@@ -78,5 +78,6 @@ PYBIND11_MODULE(_C, m) {
   bind_kv_q8(m);
   bind_model(m);
   bind_membw(m);
+  bind_peak(m);
   bind_shm_group(m);
 }

@@ -16,5 +16,6 @@ void bind_attention(pybind11::module_& m);  // attention.cpp
 void bind_kv_q8(pybind11::module_& m);  // kv_q8.cpp (the draft copy of the KV cache)
 void bind_model(pybind11::module_& m);  // model.cpp
 void bind_membw(pybind11::module_& m);  // membw.cpp (read-bandwidth probe for bench/)
+void bind_peak(pybind11::module_& m);   // peak.cpp (compute-peak probe for bench/)
 void bind_shm_group(pybind11::module_& m);  // shm_group.cpp (tensor-parallel ranks on one host)
 }  // namespace qspec

@@ -51,11 +51,11 @@ DRAFT_KV_FAST = [f"test_draft_kv.py::{t}" for t in (
     "test_recent_keys_against_f64", "test_recent_keys_tree_rows_equal_linear_path", "test_sparse_pages_against_f64",
     "test_sparse_tree_rows_equal_linear_path", "test_sparse_pages_other_head_dims")]
 FAST = ["test_gemm.py", "test_attention.py", "test_native_model.py", *TREE_FAST, *DRAFT_KV_FAST,
-        "test_speculative.py::test_greedy_lossless_each_level"]  # the default draft, short cases
+        "test_speculative.py::test_greedy_lossless_each_level", "test_peak.py"]  # the default draft, short cases
 FULL = ["test_gemm.py", "test_attention.py", "test_native_model.py", "test_speculative.py",
         "test_tree_attention.py", "test_draft_kv.py", "test_batch.py",
         "test_tp.py::test_tp_suite",  # tensor parallelism: 2 ranks at every level
-        "test_reference_hf.py", "test_membw.py", "test_levels.py::test_mx_chains_are_lossless"]
+        "test_reference_hf.py", "test_membw.py", "test_peak.py", "test_levels.py::test_mx_chains_are_lossless"]
 
 
 def _build() -> Path:
