@@ -128,6 +128,9 @@ def run(args) -> list[dict]:
                         # the avx512 path's two integer-dot instructions, side by side
                         fns["avx512_maddubs"] = Rotating(ws, lambda w: _maddubs(w, x, y), cursor)
                         paths.append("avx512_maddubs")
+                        for nb in args.mx_row_blocks:  # the VNNI kernel at a forced stream count
+                            fns[f"avx512_vnni_rb{nb}"] = Rotating(ws, lambda w, nb=nb: _row_blocks(w, x, y, nb), cursor)
+                            paths.append(f"avx512_vnni_rb{nb}")
                     with torch.inference_mode():
                         if tws:
                             fns["torch"] = Rotating(tws, lambda w: F.linear(tx, w))
@@ -144,7 +147,7 @@ def run(args) -> list[dict]:
                         gbps = nbytes / s / 1e9
                         pct = spread([100 * nbytes / pr.result[p] / 1e9 / f for pr, f in zip(meter.pairs, floors)])
                         label = "avx512_vnni" if p == "avx512" and fmt == "mxfp4" and _C.mx_vnni() else p
-                        row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": p.split("_maddubs")[0],
+                        row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": "avx512" if p.startswith("avx512_") and fmt == "mxfp4" else p,
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
                                "synthetic": True, "m": m, "k": k, "n": n, "threads": threads,
                                "us_median": s * 1e6, "us_min": st[p].min * 1e6,
@@ -177,6 +180,15 @@ def _maddubs(w, x, y):
         _C.gemm(w, x, y, "avx512")
     finally:
         _C.set_mx_vnni(old)
+
+
+def _row_blocks(w, x, y, n):
+    """The avx512 MXFP4 path (VNNI) streaming n row blocks at once at every M (same bits)."""
+    old = _C.set_mx_row_blocks(n)
+    try:
+        _C.gemm(w, x, y, "avx512")
+    finally:
+        _C.set_mx_row_blocks(old)
 
 
 def model_d_table(rows: list[dict]) -> list[dict]:
@@ -281,7 +293,13 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", type=csv(lambda v: tuple(int(t) for t in v.split("x"))), default=None,
                     help="comma list of NxK shapes (instead of the model layers)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch F.linear baseline")
-    run(ap.parse_args(argv))
+    ap.add_argument("--mx-row-blocks", type=csv(int), default=[],
+                    help="also time the VNNI MXFP4 kernel at these forced row-block counts (1, 2, 4: paths "
+                         "avx512_vnni_rbN), beside the count this CPU takes (csrc/gemm.h)")
+    args = ap.parse_args(argv)
+    if any(n not in (1, 2, 4) for n in args.mx_row_blocks):
+        ap.error("--mx-row-blocks takes 1, 2 or 4")
+    run(args)
 
 
 if __name__ == "__main__":

@@ -372,6 +372,26 @@ std::atomic<bool>& tiles_enabled() {
 }  // namespace
 
 bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
+
+namespace {
+std::atomic<int>& row_blocks_forced() {
+  static std::atomic<int> n{0};
+  return n;
+}
+}  // namespace
+
+int set_mx_row_blocks(int n) {
+  if (n != 0 && n != 1 && n != 2 && n != 4)
+    throw std::invalid_argument("set_mx_row_blocks: n is 0 (by CPU), 1, 2 or 4, not " + std::to_string(n));
+  return row_blocks_forced().exchange(n);
+}
+
+int mx_row_blocks(int rows) {
+  const int forced = row_blocks_forced().load(std::memory_order_relaxed);
+  if (forced) return forced;
+  static const bool amd = cpu_features().vendor == "AuthenticAMD";
+  return amd ? 1 : rows == 1 ? 4 : 2;
+}
 bool set_mx_tiles(bool enabled) { return tiles_enabled().exchange(enabled); }
 bool mx_tiles() { return tiles_enabled().load(std::memory_order_relaxed); }
 

@@ -189,6 +189,11 @@ void bind_gemm(py::module_& m) {
         "its INT4 K scores with vpdpwssd) where the CPU has AVX512-VNNI (default; the same bits); "
         "returns the previous setting");
   m.def("mx_vnni", &mx_vnni, "Whether those sums use VNNI (available and enabled)");
+  m.def("set_mx_row_blocks", &set_mx_row_blocks, py::arg("n"),
+        "Row blocks the VNNI MXFP4 kernel streams at once: 1, 2 or 4 at every M, or 0 for the choice "
+        "by CPU (csrc/gemm.h; the same bits either way); returns the previous setting");
+  m.def("mx_row_blocks", &mx_row_blocks, py::arg("rows"),
+        "Row blocks the VNNI MXFP4 kernel streams for a tile of that many rows");
   m.def("set_mx_tiles", &set_mx_tiles, py::arg("enabled"),
         "MXFP4 at the amx level: the amx path (int8 tiles / vpdpbusd) at every M (True) or the avx512 "
         "path (False, default unless QSPEC_MX_PATH=amx); returns the previous setting");

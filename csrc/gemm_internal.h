@@ -6,6 +6,9 @@
 #include <cstdint>
 
 namespace qspec {
+
+int mx_row_blocks(int rows);  // gemm.h: row blocks of the VNNI MXFP4 kernel, chosen per CPU
+
 namespace detail {
 
 constexpr int kRows = 16;   // output rows per packed block

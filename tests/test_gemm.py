@@ -193,6 +193,31 @@ def test_mxfp4_vnni_and_maddubs_paths_equal_ref(rng):
             np.testing.assert_array_equal(y[:1], _C.gemm(pw, x[:1], path="amx"), err_msg=f"m={m}")
 
 
+def test_mxfp4_vnni_row_blocks_keep_the_bits(rng):
+    """The VNNI kernel's row blocks a tile (1, 2 or 4 streams, chosen per CPU) never change a bit:
+    ref's bits at every M and count, with the count a tile of more row blocks than the weight has
+    (72 outputs: 4 blocks and a half) included."""
+    pw, _ = make_weight(rng, "mxfp4", 72, 1000)
+    if "avx512" not in _C.gemm_paths(pw, 1) or not _C.mx_vnni():
+        pytest.skip("no VNNI avx512 path on this CPU")
+    for m in (1, 2, 3, 5, 8, 9, 17):
+        x = rng.standard_normal((m, 1000)).astype(np.float32)
+        yref = _C.gemm(pw, x, path="ref")
+        for n in (1, 2, 4, 0):
+            old = _C.set_mx_row_blocks(n)
+            try:
+                assert _C.mx_row_blocks(m) in (1, 2, 4) and (n == 0 or _C.mx_row_blocks(m) == n)
+                np.testing.assert_array_equal(_C.gemm(pw, x, path="avx512"), yref, err_msg=f"m={m} blocks={n}")
+            finally:
+                _C.set_mx_row_blocks(old)
+
+
+@pytest.mark.parametrize("n", [-1, 3, 8])
+def test_mxfp4_vnni_row_blocks_bad_value(n):
+    with pytest.raises(ValueError, match="set_mx_row_blocks: n is 0"):
+        _C.set_mx_row_blocks(n)
+
+
 def test_mxfp4_amx_scale_range(rng):
     """amx MXFP4 folds each block's scale into int8 weights relative to the output's largest
     scale S: blocks up to 3 binades below S are exact, 4-6 rounded to the nearest integer (ties to

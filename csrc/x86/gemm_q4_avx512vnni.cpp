@@ -92,17 +92,13 @@ constexpr std::array<TileFn, sizeof...(I)> make_tiles(std::integer_sequence<int,
 }
 constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kMaxMB * kMaxNB>());
 
-// Row blocks per tile of mb rows: 4 streams for a GEMV, else 2 (measured on a Sapphire Rapids VM:
-// 2 rather than 4 blocks at M = 2 is 15% faster, at M = 3-4 the same or better: fewer registers).
-constexpr int blocks_for(int mb) { return mb == 1 ? 4 : 2; }
-
 }  // namespace
 
 // x in balanced row tiles of <= 8 rows (M = 9: 5 + 4); with several row tiles the K chunk of a
 // group's weights is re-read from L1 (and decoded again: the decode is a few ops per slab).
 void gemm_blocks_q4_vnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   const int64_t ntiles = (a.m + kMaxMB - 1) / kMaxMB;
-  const int nbmax = blocks_for(int((a.m + ntiles - 1) / ntiles));
+  const int nbmax = mx_row_blocks(int((a.m + ntiles - 1) / ntiles));  // per CPU: gemm.h
   avx512::run_row_tiles(a, nb0, nb1, acc, kTiles.data(), kMaxNB, kMaxMB, nbmax, 16, 1);
 }
 

@@ -1,0 +1,28 @@
+"""`qspec bench kernels`: one small custom shape, the VNNI kernel's forced row-block variants."""
+
+import json
+
+import pytest
+
+from qspec import _C
+from qspec.bench import kernels
+
+
+def test_bench_kernels_row_block_variants(tmp_path):
+    if "avx512" not in _C.cpu_info()["isa_levels"] or not _C.mx_vnni():
+        pytest.skip("no VNNI avx512 path on this CPU")
+    out = tmp_path / "k.jsonl"
+    kernels.main(["--quick", "--shapes", "64x256", "--formats", "mxfp4", "--ms", "1,3", "--no-torch",
+                  "--mx-row-blocks", "1,4", "--json", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for m in (1, 3):
+        paths = {r["path"] for r in rows if r["m"] == m}
+        assert {"avx512_vnni", "avx512_vnni_rb1", "avx512_vnni_rb4"} <= paths
+        assert all(r["us_median"] > 0 and r["isa"] in ("avx2", "avx512") for r in rows if r["m"] == m)
+    assert _C.set_mx_row_blocks(0) == 0  # the variants put the CPU's choice back
+
+
+def test_bench_kernels_bad_row_blocks(capsys):
+    with pytest.raises(SystemExit):
+        kernels.main(["--shapes", "64x256", "--mx-row-blocks", "3"])
+    assert "--mx-row-blocks takes 1, 2 or 4" in capsys.readouterr().err
