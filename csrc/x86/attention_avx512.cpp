@@ -78,111 +78,71 @@ void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t nk_p
     for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(dst + t * hd + d, _mm256_setzero_ps());
 }
 
-// Scores of 8 consecutive keys (FP32 rows kb[t · hd ..]) for P pairs of one row (queries q[p]);
-// out[p] lane t = q[p]·K_t before scaling. Each K chunk is loaded once for the P pairs; every pair
-// keeps its own chain per key over head_dim and its own add tree, so its lanes are the bits of
-// P = 1 whatever pairs share the call.
-template <int HD, int P>
-inline void dot8(const float* const* q, const float* kb, int64_t hd_rt, __m256* out) {
+// Scores of 8 consecutive keys (FP32 rows kb[t · hd ..]); lane t = q·K_t before scaling.
+template <int HD>
+inline __m256 dot8(const float* q, const float* kb, int64_t hd_rt) {
   const int64_t hd = HD > 0 ? HD : hd_rt;
   const int64_t hd16 = hd & ~int64_t(15);
-  __m512 acc[P][8];
-  for (int p = 0; p < P; ++p)
-    for (int t = 0; t < 8; ++t) acc[p][t] = _mm512_setzero_ps();
+  __m512 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t d = 0; d < hd16; d += 16) {
-    __m512 qv[P];
-    for (int p = 0; p < P; ++p) qv[p] = _mm512_loadu_ps(q[p] + d);
-    for (int t = 0; t < 8; ++t) {
-      const __m512 kv = _mm512_loadu_ps(kb + t * hd + d);
-      for (int p = 0; p < P; ++p) acc[p][t] = _mm512_fmadd_ps(qv[p], kv, acc[p][t]);
-    }
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + d), acc[t]);
   }
   if (hd16 < hd) {  // q and K lanes 8..15 zero, as in the single-pair kernel's tail
-    __m512 qt[P];
-    for (int p = 0; p < P; ++p) qt[p] = _mm512_maskz_loadu_ps(0x00FF, q[p] + hd16);
-    for (int t = 0; t < 8; ++t) {
-      const __m512 kv = _mm512_maskz_loadu_ps(0x00FF, kb + t * hd + hd16);
-      for (int p = 0; p < P; ++p) acc[p][t] = _mm512_fmadd_ps(qt[p], kv, acc[p][t]);
-    }
+    const __m512 q_tail = _mm512_maskz_loadu_ps(0x00FF, q + hd16);
+    for (int t = 0; t < 8; ++t)
+      acc[t] = _mm512_fmadd_ps(q_tail, _mm512_maskz_loadu_ps(0x00FF, kb + t * hd + hd16), acc[t]);
   }
-  for (int p = 0; p < P; ++p) out[p] = hsum8x8(acc[p]);
+  return hsum8x8(acc);
 }
 
-// Pass 1 for P pairs of one row (keys 0..n-1) over keys [b0, e) of the current K super-block
-// (kbuf row 0 = key b0): scores to sc[p], running lane-wise max in vmax[p].
-template <int HD, int P>
-void scores_block(const float* const* q, const float* kbuf, int64_t hd, int64_t b0, int64_t e,
-                  int64_t n, __m256 vscale, float* const* sc, __m256* vmax) {
+// Pass 1 for one pair over keys [b0, e) of the current K super-block (kbuf row 0 = key b0).
+template <int HD>
+void scores_block(const float* q, const float* kbuf, int64_t hd, int64_t b0, int64_t e,
+                  int64_t n, __m256 vscale, float* sc, __m256* vmax_io) {
+  __m256 vmax = *vmax_io;
   for (int64_t j0 = b0; j0 < e; j0 += 8) {
-    __m256 s[P];
-    dot8<HD, P>(q, kbuf + (j0 - b0) * hd, hd, s);
+    const __m256 s = _mm256_mul_ps(dot8<HD>(q, kbuf + (j0 - b0) * hd, hd), vscale);
     const int64_t nk = n - j0 < 8 ? n - j0 : 8;
-    for (int p = 0; p < P; ++p) {
-      s[p] = _mm256_mul_ps(s[p], vscale);
-      if (nk == 8) {
-        _mm256_storeu_ps(sc[p] + j0, s[p]);
-        vmax[p] = _mm256_max_ps(vmax[p], s[p]);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, s[p]);
-        for (int t = 0; t < nk; ++t) sc[p][j0 + t] = tmp[t];
-        for (int t = int(nk); t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
-        vmax[p] = _mm256_max_ps(vmax[p], _mm256_load_ps(tmp));
-      }
+    if (nk == 8) {
+      _mm256_storeu_ps(sc + j0, s);
+      vmax = _mm256_max_ps(vmax, s);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, s);
+      for (int t = 0; t < nk; ++t) sc[j0 + t] = tmp[t];
+      for (int t = int(nk); t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
+      vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
     }
   }
+  *vmax_io = vmax;
 }
 
-// Pass 3 for NC·16 columns of P pairs of one row over keys [b0, e) of the current V super-block:
-// each V chunk loaded once for the P pairs; running sums in accp[p] between super-blocks (one FMA
-// chain per pair and column over keys 0..p, as at P = 1).
-template <int NC, int P>
-inline void v_block(const float* const* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
-                    float* const* accp) {
-  __m512 acc[P][NC];
-  for (int p = 0; p < P; ++p)
-    for (int c = 0; c < NC; ++c) acc[p][c] = _mm512_loadu_ps(accp[p] + c * 16);
+
+// Pass 3 for NC·16 columns of one pair over keys [b0, e) of the current V super-block; running
+// sums in accp between super-blocks (one FMA chain per column over keys 0..p).
+template <int NC>
+inline void v_block(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
+                    float* accp) {
+  __m512 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(accp + c * 16);
   for (int64_t j = b0; j < e; ++j) {
-    __m512 wj[P];
-    for (int p = 0; p < P; ++p) wj[p] = _mm512_set1_ps(w[p][j]);
+    const __m512 wj = _mm512_set1_ps(w[j]);
     const float* vj = vbuf + (j - b0) * hd;
-    for (int c = 0; c < NC; ++c) {
-      const __m512 v = _mm512_loadu_ps(vj + c * 16);
-      for (int p = 0; p < P; ++p) acc[p][c] = _mm512_fmadd_ps(wj[p], v, acc[p][c]);
-    }
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + c * 16), acc[c]);
   }
-  for (int p = 0; p < P; ++p)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(accp[p] + c * 16, acc[p][c]);
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(accp + c * 16, acc[c]);
 }
 
 // The last 8 columns when head_dim % 16 == 8 (lanes 8..15 zero).
-template <int P>
-inline void v_block8(const float* const* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
-                     float* const* accp) {
-  __m512 acc[P];
-  for (int p = 0; p < P; ++p) acc[p] = _mm512_maskz_loadu_ps(0x00FF, accp[p]);
-  for (int64_t j = b0; j < e; ++j) {
-    const __m512 v = _mm512_maskz_loadu_ps(0x00FF, vbuf + (j - b0) * hd);
-    for (int p = 0; p < P; ++p) acc[p] = _mm512_fmadd_ps(_mm512_set1_ps(w[p][j]), v, acc[p]);
-  }
-  for (int p = 0; p < P; ++p) _mm512_mask_storeu_ps(accp[p], 0x00FF, acc[p]);
-}
-
-// All head_dim columns of P pairs over keys [b0, e), 128 columns a sweep (3 x 8 accumulators + 3
-// weights + one V chunk within 32 zmm). The chunking of columns never changes a column's chain.
-template <int P>
-void v_keys(const float* const* w, const float* vb, int64_t hd, int64_t b0, int64_t e, float* const* accp) {
-  const float* ws[P];
-  float* ap[P];
-  int64_t d = 0;
-  auto at = [&](int64_t col) {
-    for (int p = 0; p < P; ++p) ws[p] = w[p], ap[p] = accp[p] + col;
-  };
-  for (; d + 128 <= hd; d += 128) at(d), v_block<8, P>(ws, vb + d, hd, b0, e, ap);
-  if (d + 64 <= hd) at(d), v_block<4, P>(ws, vb + d, hd, b0, e, ap), d += 64;
-  if (d + 32 <= hd) at(d), v_block<2, P>(ws, vb + d, hd, b0, e, ap), d += 32;
-  if (d + 16 <= hd) at(d), v_block<1, P>(ws, vb + d, hd, b0, e, ap), d += 16;
-  if (d + 8 <= hd) at(d), v_block8<P>(ws, vb + d, hd, b0, e, ap);
+inline void v_block8(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
+                     float* accp) {
+  __m512 acc = _mm512_maskz_loadu_ps(0x00FF, accp);
+  for (int64_t j = b0; j < e; ++j)
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_maskz_loadu_ps(0x00FF, vbuf + (j - b0) * hd),
+                          acc);
+  _mm512_mask_storeu_ps(accp, 0x00FF, acc);
 }
 
 template <int HD>
@@ -238,39 +198,18 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     convert_block(nullptr, stride, 0, round8(n - t0) - (n - t0), hd, tbuf + (n - t0) * hd);
   };
 
-  // Pairs go through the streamed keys in groups of up to 3 of one row (the heads of a KV head
-  // share the row's keys): each K / V chunk loaded once per group, each pair's arithmetic as alone.
-  auto group_size = [&](int64_t u) {
-    int64_t g = 1;
-    while (g < 3 && u + g < np && row_of(u + g) == row_of(u)) ++g;
-    return int(g);
-  };
-  auto scores_group = [&](int64_t u, int P, const float* kbuf, int64_t b0, int64_t e, int64_t n) {
-    const float* q[3];
-    float* sc[3];
-    __m256 vmax[3];
-    for (int p = 0; p < P; ++p) {
-      q[p] = a.q + (row_of(u) * a.n_heads + head_of(u + p)) * hd;
-      sc[p] = scores + (u + p) * sc_stride;
-      vmax[p] = _mm256_loadu_ps(vmaxs + (u + p) * 8);
-    }
-    switch (P) {
-      case 1: scores_block<HD, 1>(q, kbuf, hd, b0, e, n, vscale, sc, vmax); break;
-      case 2: scores_block<HD, 2>(q, kbuf, hd, b0, e, n, vscale, sc, vmax); break;
-      default: scores_block<HD, 3>(q, kbuf, hd, b0, e, n, vscale, sc, vmax); break;
-    }
-    for (int p = 0; p < P; ++p) _mm256_storeu_ps(vmaxs + (u + p) * 8, vmax[p]);
-  };
-
   // Pass 1: stream K once.
   for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
     b1 = attn_block_end(a, b0, kb, n_sh);  // within one page
     convert_block(a.kv.k(a.layer, b0) + kvh * hd, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
-    for (int64_t u = 0, P; u < np; u += P) {
-      P = group_size(u);
+    for (int64_t u = 0; u < np; ++u) {
       const int64_t n = n_of(u);
       const int64_t e = b1 < n ? b1 : n;
-      if (e > b0) scores_group(u, int(P), kvbuf, b0, e, n);
+      if (e <= b0) continue;
+      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
+      scores_block<HD>(q, kvbuf, hd, b0, e, n, vscale, scores + u * sc_stride, &vmax);
+      _mm256_storeu_ps(vmaxs + u * 8, vmax);
     }
   }
   if (tb > 0)
@@ -278,7 +217,10 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       const int64_t n = n_of(u);
       if (n <= t0) continue;
       load_tail(u, 0);
-      scores_group(u, 1, tbuf, t0, n, n);
+      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
+      scores_block<HD>(q, tbuf, hd, t0, n, n, vscale, scores + u * sc_stride, &vmax);
+      _mm256_storeu_ps(vmaxs + u * 8, vmax);
     }
 
   // Pass 2: per pair, over its own keys of this segment; Σ and the max go to lanes 0 and 1 of
@@ -294,24 +236,24 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   // Pass 3: stream V once.
   for (int64_t x = 0; x < np * hd; x += 8) _mm256_storeu_ps(accs + x, _mm256_setzero_ps());
-  auto v_group = [&](int64_t u, int P, const float* vb, int64_t b0, int64_t e) {
-    const float* w[3];
-    float* accp[3];
-    for (int p = 0; p < P; ++p) w[p] = scores + (u + p) * sc_stride, accp[p] = accs + (u + p) * hd;
-    switch (P) {
-      case 1: v_keys<1>(w, vb, hd, b0, e, accp); break;
-      case 2: v_keys<2>(w, vb, hd, b0, e, accp); break;
-      default: v_keys<3>(w, vb, hd, b0, e, accp); break;
-    }
+  auto v_keys = [&](int64_t u, const float* vb, int64_t b0, int64_t e) {
+    const float* w = scores + u * sc_stride;
+    float* accp = accs + u * hd;
+    int64_t d = 0;
+    for (; d + 128 <= hd; d += 128) v_block<8>(w, vb + d, hd, b0, e, accp + d);
+    if (d + 64 <= hd) v_block<4>(w, vb + d, hd, b0, e, accp + d), d += 64;
+    if (d + 32 <= hd) v_block<2>(w, vb + d, hd, b0, e, accp + d), d += 32;
+    if (d + 16 <= hd) v_block<1>(w, vb + d, hd, b0, e, accp + d), d += 16;
+    if (d + 8 <= hd) v_block8(w, vb + d, hd, b0, e, accp + d);
   };
   for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
     b1 = attn_block_end(a, b0, kb, n_sh);
     convert_block(a.kv.v(a.layer, b0) + kvh * hd, stride, b1 - b0, b1 - b0, hd, kvbuf);
-    for (int64_t u = 0, P; u < np; u += P) {
-      P = group_size(u);
+    for (int64_t u = 0; u < np; ++u) {
       const int64_t n = n_of(u);
       const int64_t e = b1 < n ? b1 : n;
-      if (e > b0) v_group(u, int(P), kvbuf, b0, e);
+      if (e <= b0) continue;
+      v_keys(u, kvbuf, b0, e);
     }
   }
   tail_row = -1;
@@ -319,7 +261,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     for (int64_t u = 0; u < np; ++u) {
       if (n_of(u) <= t0) continue;
       load_tail(u, 1);
-      v_group(u, 1, tbuf, t0, n_of(u));
+      v_keys(u, tbuf, t0, n_of(u));
     }
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).
