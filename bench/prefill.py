@@ -1,7 +1,7 @@
 """Prefill: time to first token and prompt tokens/s of long prompts, against the CPU's compute peak,
 torch's own BF16 GEMM and llama.cpp:
 `qspec bench prefill [--model NAME|DIR] [--lengths 512,2048,8192] [--reps N] [--threads N] [--quick]
-[--peer-server LLAMA_SERVER --peer-gguf GGUF] [--json PATH]` (or `python -m bench.prefill ...` from a
+[--peer-server LLAMA_SERVER --peer-gguf GGUF | --no-peer] [--json PATH]` (or `python -m bench.prefill ...` from a
 development install).
 
 Per prompt length L (real text: a standard-library source file and a question, bench/long_prompts.py;
@@ -28,8 +28,8 @@ Per prompt length L (real text: a standard-library source file and a question, b
                  in BF16), its own timings.prompt_ms for the same prompt ids (no cached prefix);
                  else with the `peer` extra (llama-cpp-python) installed: the model's GGUF
                  requantized to BF16 (bench/peer.py), the same prompt ids, time to its first
-                 token, as `llama-bench -p L` measures a prompt; otherwise one line says it was
-                 skipped.
+                 token, as `llama-bench -p L` measures a prompt; otherwise (or with --no-peer) one
+                 line says it was skipped.
 """
 
 from __future__ import annotations
@@ -122,6 +122,9 @@ def llama_cpp_runner(args, eng, stack):
         print(f"# llama.cpp: {args.peer_server} on {args.peer_gguf}, {args.threads} threads (timings.prompt_ms)",
               flush=True)
         return srv.prefill_s
+    if args.no_peer:
+        print("# llama.cpp: skipped (--no-peer)", flush=True)
+        return None
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -148,9 +151,12 @@ def main(argv=None) -> None:
     p.add_argument("--peer-server", help="llama.cpp's llama-server binary: its prompt time on --peer-gguf "
                    "(instead of llama-cpp-python)")
     p.add_argument("--peer-gguf", help="the GGUF llama-server loads (the model's weights in BF16)")
+    p.add_argument("--no-peer", action="store_true", help="skip llama.cpp even where the peer extra is installed")
     args = p.parse_args(argv)
     if bool(args.peer_server) != bool(args.peer_gguf):
         p.error("--peer-server and --peer-gguf go together")
+    if args.no_peer and args.peer_server:
+        p.error("--no-peer and --peer-server exclude each other")
     args.lengths = args.lengths or ([128, 512] if args.quick else [512, 2048, 8192])
     args.reps = args.reps or (1 if args.quick else 3)
     if min(args.lengths) < 64 or args.reps < 1:

@@ -54,6 +54,14 @@ def test_bench_prefill_quick(default_model_dir, tmp_path, capsys):
         assert "# llama.cpp: skipped (llama-cpp-python is not installed" in text
 
 
+def test_bench_prefill_no_peer(default_model_dir, capsys):
+    prefill.main(["--quick", "--lengths", "128", "--no-peer"])
+    assert "# llama.cpp: skipped (--no-peer)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        prefill.main(["--no-peer", "--peer-server", "x", "--peer-gguf", "y"])
+    assert "--no-peer and --peer-server exclude each other" in capsys.readouterr().err
+
+
 def test_bench_e2e_context_quick(default_model_dir, tmp_path, capsys):
     out = tmp_path / "e2e.jsonl"
     e2e.main(["--quick", "--context", "256", "--ks", "2", "--temps", "0", "--no-synthetic", "--prompts", "2", "--max-new", "24",
