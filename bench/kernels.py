@@ -147,7 +147,8 @@ def run(args) -> list[dict]:
                         gbps = nbytes / s / 1e9
                         pct = spread([100 * nbytes / pr.result[p] / 1e9 / f for pr, f in zip(meter.pairs, floors)])
                         label = "avx512_vnni" if p == "avx512" and fmt == "mxfp4" and _C.mx_vnni() else p
-                        row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": "avx512" if p.startswith("avx512_") and fmt == "mxfp4" else p,
+                        isa = "avx512" if p.startswith("avx512_") and fmt == "mxfp4" else p  # the variants
+                        row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": isa,
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
                                "synthetic": True, "m": m, "k": k, "n": n, "threads": threads,
                                "us_median": s * 1e6, "us_min": st[p].min * 1e6,

@@ -372,6 +372,17 @@ std::atomic<bool>& tiles_enabled() {
 }  // namespace
 
 bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
+bool set_mx_tiles(bool enabled) { return tiles_enabled().exchange(enabled); }
+bool mx_tiles() { return tiles_enabled().load(std::memory_order_relaxed); }
+
+bool mx_vnni() {
+#ifdef QSPEC_ISA_EMULATION
+  const bool have = true;  // the test build emulates vpdpbusd (csrc/emu/isa_emulation.h)
+#else
+  const bool have = cpu_features().avx512_vnni;
+#endif
+  return have && isa_selected() >= Isa::avx512 && vnni_enabled().load(std::memory_order_relaxed);
+}
 
 namespace {
 std::atomic<int>& row_blocks_forced() {
@@ -391,17 +402,6 @@ int mx_row_blocks(int rows) {
   if (forced) return forced;
   static const bool amd = cpu_features().vendor == "AuthenticAMD";
   return amd ? 1 : rows == 1 ? 4 : 2;
-}
-bool set_mx_tiles(bool enabled) { return tiles_enabled().exchange(enabled); }
-bool mx_tiles() { return tiles_enabled().load(std::memory_order_relaxed); }
-
-bool mx_vnni() {
-#ifdef QSPEC_ISA_EMULATION
-  const bool have = true;  // the test build emulates vpdpbusd (csrc/emu/isa_emulation.h)
-#else
-  const bool have = cpu_features().avx512_vnni;
-#endif
-  return have && isa_selected() >= Isa::avx512 && vnni_enabled().load(std::memory_order_relaxed);
 }
 
 bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {

@@ -120,7 +120,7 @@ bool mx_vnni();
 // changes a bit; it is chosen per CPU by measurement. Intel (a Sapphire Rapids VM): 4 streams for
 // one row, 2 for more (2 rather than 4 at M = 2 was 15% faster). AMD (a Zen 4 VM, Qwen2.5-Coder-1.5B
 // shapes, whole model, 2 threads): one stream at every M, 4 at M = 1 took 1.2x as long (as long as
-// the AVX2 kernel's one stream) and 2 at M = 8 1.1-1.2x. set_mx_row_blocks(n) forces n (1, 2 or
+// the AVX2 kernel's one stream) and 2 at M = 8 1.1-1.4x. set_mx_row_blocks(n) forces n (1, 2 or
 // 4) at every M, 0 restores the choice by CPU; returns the previous setting.
 int set_mx_row_blocks(int n);
 int mx_row_blocks(int rows);
