@@ -39,10 +39,23 @@ DEFAULT_SAMPLING_DRAFT_MAX = 1
 Prompt = Union[str, list[int], list[dict[str, str]]]
 
 
-# Draft trees stay opt-in: on the 1.5B with its MXFP4 self-draft (Xeon with AMX, 12 dev prompts,
-# README "Draft trees") the chain was faster than every tree setting, "auto" included (1.95x vs
-# 1.76x): the self-draft's top-1 agrees so often that side branches add rows, not accepted tokens.
+# Draft trees by the ISA level the kernels run at and the model's size (README "Choosing the
+# draft", chain / tree / a second level per ISA class): at the amx level, where a 16-row verify
+# costs ~1.1 one-row passes, tree "auto" (the chain is one of its arms) was ahead of the chain on
+# Qwen2.5-Coder-1.5B in 6 of 7 runs on two Xeons (1.0-1.17x) and level on the 0.5B; on AVX2 and
+# AVX512-BF16 the chain was ahead, and below SMALL_MODEL_PARAMS (SmolLM2-135M: 1.24x against the
+# chain's 1.47x) a tree's per-node Python work outweighs its ~7 ms steps: trees stay opt-in there.
 DEFAULT_TREE = "off"
+DEFAULT_TREE_BY_ISA = {"amx": "auto"}
+
+
+def default_tree(kernel_path: str | None, cfg: ModelConfig) -> str:
+    """The tree mode `tree=None` takes for a model on a backend whose kernels run at ISA level
+    `kernel_path` (None: a backend without native kernels)."""
+    if cfg.gemm_params < SMALL_MODEL_PARAMS:
+        return DEFAULT_TREE
+    return DEFAULT_TREE_BY_ISA.get(kernel_path, DEFAULT_TREE)
+
 MAX_SEQS = 16  # concurrent generations batched together (Engine.batcher)
 
 class Backend(Protocol):
@@ -116,8 +129,8 @@ class Engine:
         prompt, or a chat's earlier turns and answers) is prefilled from where they end only;
         the output is the same bit for bit (`stats["cached_prompt_tokens"]` counts them).
         `tree`: draft trees (EAGLE-2 style, qspec/tree.py) from the MX draft at level 1: "auto"
-        (tree or chain, whichever the cost model measures faster), "on", or "off" (the chain, the
-        default: DEFAULT_TREE). `tree_width` (nodes expanded per depth and
+        (tree or chain, whichever the cost model measures faster), "on", or "off" (the chain);
+        None: default_tree ("auto" at the amx level from SMALL_MODEL_PARAMS up, else "off"). `tree_width` (nodes expanded per depth and
         children per node, 1..8), `tree_depth` (draft passes, 1..32) and `tree_nodes` (N, verify
         rows with the root, 2..64, at least tree_depth + 1) cap the tree; unset ones are chosen.
         """
@@ -183,7 +196,9 @@ class Engine:
         Closing the generator early (a caller that stops iterating) leaves the engine ready for
         the next call: the cache's committed length is set by every prefill."""
         st = stats if stats is not None else {}
-        tp = TreeParams(DEFAULT_TREE if tree is None else tree, tree_width, tree_depth, tree_nodes)
+        if tree is None:
+            tree = default_tree(getattr(self.backend, "kernel_path", None), self.cfg)
+        tp = TreeParams(tree, tree_width, tree_depth, tree_nodes)
         return self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
                             speculative, draft_max, draft_min, draft_p_min, levels, tp)
 

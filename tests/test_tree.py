@@ -216,10 +216,38 @@ def test_native_tree_auto_and_sampling_seeded(default_model_dir):
     eng = native_engine(default_model_dir)
     prompt = dev_prompts()[3]
     want = eng.generate(prompt, max_new_tokens=48, speculative=False).tokens
-    assert eng.generate(prompt, max_new_tokens=48).tokens == want  # tree="auto", the default
+    assert eng.generate(prompt, max_new_tokens=48, tree="auto").tokens == want
     kw = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=3, tree="on", tree_width=2, tree_depth=2)
     a, b = eng.generate(prompt, **kw), eng.generate(prompt, **kw)
     assert a.tokens == b.tokens and a.stats["tree_steps"] > 0
+
+
+def test_default_tree_by_isa_level_and_model_size():
+    from qspec.engine import SMALL_MODEL_PARAMS, default_tree
+
+    class Cfg:
+        gemm_params = SMALL_MODEL_PARAMS
+
+    assert default_tree("amx", Cfg()) == "auto"
+    for path in ("avx512_bf16", "avx512", "avx2", "scalar", None):
+        assert default_tree(path, Cfg()) == "off"
+    Cfg.gemm_params = SMALL_MODEL_PARAMS - 1
+    assert default_tree("amx", Cfg()) == "off"
+
+
+def test_generate_takes_the_default_tree_of_its_kernel_path(default_model_dir, monkeypatch):
+    import qspec.engine as engine
+
+    eng = native_engine(default_model_dir)
+    prompt = dev_prompts()[2]
+    want = eng.generate(prompt, max_new_tokens=32, speculative=False).tokens
+    off = eng.generate(prompt, max_new_tokens=32)
+    assert off.tokens == want and not off.stats.get("tree_steps")  # SmolLM2-135M: below SMALL_MODEL_PARAMS
+    monkeypatch.setattr(engine, "SMALL_MODEL_PARAMS", 0)
+    monkeypatch.setitem(engine.DEFAULT_TREE_BY_ISA, eng.backend.kernel_path, "on")
+    on = eng.generate(prompt, max_new_tokens=32)
+    assert on.tokens == want and on.stats["tree_steps"] > 0
+    assert not eng.generate(prompt, max_new_tokens=32, tree="off").stats.get("tree_steps")
 
 
 def test_native_tree_with_a_chain_of_levels(default_model_dir):
