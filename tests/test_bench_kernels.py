@@ -18,7 +18,8 @@ def test_bench_kernels_row_block_variants(tmp_path):
     for m in (1, 3):
         paths = {r["path"] for r in rows if r["m"] == m}
         assert {"avx512_vnni", "avx512_vnni_rb1", "avx512_vnni_rb4"} <= paths
-        assert all(r["us_median"] > 0 and r["isa"] in ("avx2", "avx512") for r in rows if r["m"] == m)
+        assert all(r["us_median"] > 0 for r in rows if r["m"] == m)
+        assert all(r["isa"] == "avx512" for r in rows if r["m"] == m and r["path"].startswith("avx512_vnni"))
     assert _C.set_mx_row_blocks(0) == 0  # the variants put the CPU's choice back
 
 
