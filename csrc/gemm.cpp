@@ -401,7 +401,7 @@ int mx_row_blocks(int rows) {
   const int forced = row_blocks_forced().load(std::memory_order_relaxed);
   if (forced) return forced;
   static const bool amd = cpu_features().vendor == "AuthenticAMD";
-  return amd ? 1 : rows == 1 ? 4 : 2;
+  return amd ? 1 : 2;
 }
 
 bool gemm_supports(GemmPath p, const PackedWeight& w, int64_t m) {
