@@ -30,6 +30,17 @@ def test_info():
 def test_info_honours_qspec_isa():
     r = run("info", env={"QSPEC_ISA": "scalar"})
     assert r.returncode == 0 and "selected scalar" in r.stdout
+    assert "draft_max auto; tree off" in r.stdout  # trees are a default at the amx level only
+
+
+def test_info_names_the_defaults_of_this_isa_level():
+    from qspec import cpu_info
+    from qspec.engine import DEFAULT_TREE_BY_ISA
+
+    r = run("info")
+    line = next(x for x in r.stdout.splitlines() if x.startswith("defaults"))
+    assert "draft mxfp4 from 300M GEMM weights (mxfp6_e2m3 below)" in line, line
+    assert f"tree {DEFAULT_TREE_BY_ISA.get(cpu_info()['isa_selected'], 'off')}" in line, line
 
 
 def test_bad_qspec_isa():
