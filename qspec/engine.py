@@ -48,6 +48,8 @@ Prompt = Union[str, list[int], list[dict[str, str]]]
 DEFAULT_TREE = "off"
 DEFAULT_TREE_BY_ISA = {"amx": "auto"}
 
+MAX_SEQS = 16  # concurrent generations batched together (Engine.batcher)
+
 
 def default_tree(kernel_path: str | None, cfg: ModelConfig) -> str:
     """The tree mode `tree=None` takes for a model on a backend whose kernels run at ISA level
@@ -56,7 +58,6 @@ def default_tree(kernel_path: str | None, cfg: ModelConfig) -> str:
         return DEFAULT_TREE
     return DEFAULT_TREE_BY_ISA.get(kernel_path, DEFAULT_TREE)
 
-MAX_SEQS = 16  # concurrent generations batched together (Engine.batcher)
 
 class Backend(Protocol):
     """What the decoding loops need from a forward implementation (torch or native).
@@ -130,9 +131,10 @@ class Engine:
         the output is the same bit for bit (`stats["cached_prompt_tokens"]` counts them).
         `tree`: draft trees (EAGLE-2 style, qspec/tree.py) from the MX draft at level 1: "auto"
         (tree or chain, whichever the cost model measures faster), "on", or "off" (the chain);
-        None: default_tree ("auto" at the amx level from SMALL_MODEL_PARAMS up, else "off"). `tree_width` (nodes expanded per depth and
-        children per node, 1..8), `tree_depth` (draft passes, 1..32) and `tree_nodes` (N, verify
-        rows with the root, 2..64, at least tree_depth + 1) cap the tree; unset ones are chosen.
+        None: default_tree ("auto" at the amx level from SMALL_MODEL_PARAMS up, else "off").
+        `tree_width` (nodes expanded per depth and children per node, 1..8), `tree_depth` (draft
+        passes, 1..32) and `tree_nodes` (N, verify rows with the root, 2..64, at least
+        tree_depth + 1) cap the tree; unset ones are chosen.
         """
         stats: dict[str, float] = {}
         tokens = list(self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
