@@ -428,12 +428,12 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"isa        detected {info['isa_detected']}, selected {info['isa_selected']} "
           f"(levels: {', '.join(info['isa_levels'])}; QSPEC_ISA lowers it)")
     print(f"threads    {info['threads']}")
-    from .engine import DEFAULT_DRAFT, DEFAULT_TREE, DEFAULT_TREE_BY_ISA, SMALL_MODEL_DRAFT, SMALL_MODEL_PARAMS
+    from .engine import DEFAULT_DRAFT, SMALL_MODEL_DRAFT, SMALL_MODEL_PARAMS, default_tree
 
     big = f"{SMALL_MODEL_PARAMS // 1_000_000}M GEMM weights"
-    tree = DEFAULT_TREE_BY_ISA.get(info["isa_selected"], DEFAULT_TREE)
+    tree, small = (default_tree(info["isa_selected"], n) for n in (SMALL_MODEL_PARAMS, 0))
     print(f"defaults   draft {DEFAULT_DRAFT.fmt} from {big} ({SMALL_MODEL_DRAFT.fmt} below), draft_max auto; "
-          f"tree {tree}" + (f" from {big} at this ISA level ({DEFAULT_TREE} below)" if tree != DEFAULT_TREE else ""))
+          f"tree {tree}" + (f" from {big} at this ISA level ({small} below)" if tree != small else ""))
     if info["isa_emulation"]:
         print("note       test build: the avx512/avx512_bf16/amx levels run on emulated intrinsics (slow)")
     return 0

@@ -51,10 +51,10 @@ DEFAULT_TREE_BY_ISA = {"amx": "auto"}
 MAX_SEQS = 16  # concurrent generations batched together (Engine.batcher)
 
 
-def default_tree(kernel_path: str | None, cfg: ModelConfig) -> str:
-    """The tree mode `tree=None` takes for a model on a backend whose kernels run at ISA level
-    `kernel_path` (None: a backend without native kernels)."""
-    if cfg.gemm_params < SMALL_MODEL_PARAMS:
+def default_tree(kernel_path: str | None, gemm_params: int) -> str:
+    """The tree mode `tree=None` takes for a model of `gemm_params` GEMM weights on a backend whose
+    kernels run at ISA level `kernel_path` (None: a backend without native kernels)."""
+    if gemm_params < SMALL_MODEL_PARAMS:
         return DEFAULT_TREE
     return DEFAULT_TREE_BY_ISA.get(kernel_path, DEFAULT_TREE)
 
@@ -199,7 +199,7 @@ class Engine:
         the next call: the cache's committed length is set by every prefill."""
         st = stats if stats is not None else {}
         if tree is None:
-            tree = default_tree(getattr(self.backend, "kernel_path", None), self.cfg)
+            tree = default_tree(getattr(self.backend, "kernel_path", None), self.cfg.gemm_params)
         tp = TreeParams(tree, tree_width, tree_depth, tree_nodes)
         return self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
                             speculative, draft_max, draft_min, draft_p_min, levels, tp)

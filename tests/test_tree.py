@@ -225,14 +225,10 @@ def test_native_tree_auto_and_sampling_seeded(default_model_dir):
 def test_default_tree_by_isa_level_and_model_size():
     from qspec.engine import SMALL_MODEL_PARAMS, default_tree
 
-    class Cfg:
-        gemm_params = SMALL_MODEL_PARAMS
-
-    assert default_tree("amx", Cfg()) == "auto"
+    assert default_tree("amx", SMALL_MODEL_PARAMS) == "auto"
     for path in ("avx512_bf16", "avx512", "avx2", "scalar", None):
-        assert default_tree(path, Cfg()) == "off"
-    Cfg.gemm_params = SMALL_MODEL_PARAMS - 1
-    assert default_tree("amx", Cfg()) == "off"
+        assert default_tree(path, SMALL_MODEL_PARAMS) == "off"
+    assert default_tree("amx", SMALL_MODEL_PARAMS - 1) == "off"
 
 
 def test_generate_takes_the_default_tree_of_its_kernel_path(default_model_dir, monkeypatch):
