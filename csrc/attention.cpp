@@ -288,6 +288,11 @@ void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, in
 // pairs are grouped never changes a pair's arithmetic, so all of this may follow m and the
 // thread count freely. Pairs with more than one segment are merged afterwards.
 constexpr int64_t kAttnUnitPairs = 96;  // 16 rows of 6 heads per KV head measured best; 8-64 rows within 10%
+// The AMX kernel's: its tiles make the pairs' arithmetic cheap enough that staging each unit's
+// K/V from the cache (L3 at 8k keys) is what bounds a small unit. Qwen2.5-Coder-1.5B's shape on a
+// model-167 AMX Xeon, 2 threads, `qspec bench attention --prefill`: 384 pairs (64 rows) 1.16x
+// faster than 96 at 8,192 rows, 1.05x at 2,048.
+constexpr int64_t kAttnUnitPairsAmx = 384;
 // From this many rows (a long prompt's prefill) a unit is (KV head, row chunk) over all of its
 // segments instead of one: its partials live in per-thread scratch and it merges its own pairs
 // (merge_segments, same order: the same bits), and its q rows stay in cache from segment to
@@ -359,7 +364,7 @@ void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
   attn_timing().add(seconds_between(t_region, ProfClock::now()), 1e-9 * double(busy_ns.load()), int(nt));
 }
 
-void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
+void run_grouped(AttnGroupFn fn, const AttnArgs& a, int64_t unit_pairs = kAttnUnitPairs) {
   const int64_t group = a.n_heads / a.kv.kv_heads;
   const int64_t kvh = a.kv.kv_heads;
   const int64_t nt = Pool::instance().threads();
@@ -373,7 +378,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a) {
   // Prefill: at most ~kAttnUnitPairs pairs a unit, so a unit's q, scores and V sums stay in
   // cache while it sweeps the segment (one unit of all 2,048 rows streamed ~12 MB of them per
   // 32-key block: Zen 3 AVX2, 2 threads, 12/2 heads of 128, 2,048 rows: 57 -> 119 GFLOP/s).
-  const int64_t unit_rows = kAttnUnitPairs / group > 0 ? kAttnUnitPairs / group : 1;
+  const int64_t unit_rows = unit_pairs / group > 0 ? unit_pairs / group : 1;
   if ((a.m + unit_rows - 1) / unit_rows > chunks) chunks = (a.m + unit_rows - 1) / unit_rows;
   if (a.m >= kAttnChunkUnitRows && max_seg > 1 && !a.tree && nt > 1) return run_chunk_units(fn, a, chunks);
   struct Unit {
@@ -481,7 +486,7 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     case AttnPath::ref: run_ref(q8 ? attn_row_head_ref_q8 : attn_row_head_ref, a); break;
     case AttnPath::avx2: run_grouped(q8 ? attn_group_q8_avx2 : attn_group_avx2, a); break;
     case AttnPath::avx512: run_grouped(q8 ? q8_avx512 : attn_group_avx512, a); break;
-    case AttnPath::amx: run_grouped(q8 ? attn_group_q8_amx : attn_group_amx, a); break;
+    case AttnPath::amx: run_grouped(q8 ? attn_group_q8_amx : attn_group_amx, a, kAttnUnitPairsAmx); break;
   }
 }
 

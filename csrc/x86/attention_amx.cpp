@@ -2,11 +2,17 @@
 // on tiles (attention.h's driver, segments and partials are unchanged). Same three passes as
 // attention_avx512.cpp; what differs is how the two products are summed.
 //
-// Exact BF16 operands. K and V are BF16 already. An FP32 value x (a q element, a softmax weight)
-// is split x = hi + mid + lo into three BF16 values by truncation (each remainder is exact in
-// FP32 and the last one has at most 8 significant bits), so each product TDPBF16PS forms is
-// exact and only the FP32 sums round, as on the FMA paths: nothing is rounded to BF16 that the
-// FMA paths keep in FP32 (AMX flushes BF16 denormals: parts below 2^-126 are lost).
+// BF16 operands. K and V are BF16 already. A q element (FP32) is split q = hi + mid + lo into
+// three BF16 values by truncation (each remainder is exact in FP32 and the last one has at most 8
+// significant bits), so each score product TDPBF16PS forms is exact and only the FP32 sums round,
+// as on the FMA paths: scores in the hundreds (a q of amplitude 30) stay within the FMA paths'
+// error. A softmax weight w (in [0, 1]) is split w = hi + mid: hi its truncation to BF16, mid the
+// exact remainder rounded to nearest (split2x32), so hi + mid is w to 17 significant bits (relative
+// error <= 2^-17, ~1e-5 in an output: far below the BF16 rounding of the V rows it weighs, and
+// within the float64 oracle's tolerance). The third weight part cost a third of the V pass's
+// TDPBF16PS and split work: 8,192-row prefill 1.08-1.17x faster without it (model-167 AMX Xeon,
+// 2 threads, `qspec bench attention --contexts 2048,8192 --ms 9 --prefill --paths amx`).
+// AMX flushes BF16 denormals: parts below 2^-126 are lost.
 //
 //   scores  Sᵀ[key][pair] = Σ_c Σ_part K[key][32c ..] · q_part[pair][32c ..]: A = 16 keys × 32
 //           columns of K (staged BF16 rows), B = the pairs' q parts (VNNI pairs of columns),
@@ -16,7 +22,7 @@
 //   values  out[pair][col] = Σ_blocks Σ_part w_part[pair][32 keys] · V[32 keys][col]: A = 16 pairs
 //           × a 32-key block of the weights' parts, B = the block's V rows as VNNI key pairs,
 //           C = 16 pairs × 16 columns, ONE chain per element through the segment: blocks of 32
-//           keys counted from key 0 in key order, each block's parts lo, mid, hi. Keys a pair
+//           keys counted from key 0 in key order, each block's parts mid, hi. Keys a pair
 //           does not attend carry weight 0 (exact zero products), and adding zero products leaves
 //           a C element as it is: TDPBF16PS flushes denormal results (inputs too), so a C element
 //           is never denormal and never -0 (checked on the hardware: a -2^-140 product gives +0).
@@ -31,10 +37,10 @@
 // linear row's at its position.
 //
 // Tiles and the vector work around them. A tile load costs about what a TDPBF16PS does (more
-// from L2), so operands are reused across the three parts: scores hold a chunk's three q parts
-// in B tiles 5-7 while each of up to 4 key blocks' K chunk (A, tile 4) feeds its C tile three
-// TDPBF16PS; values hold a block's three weight parts in A tiles 4-6 while each of 4 column
-// tiles' V (B, tile 7) feeds three. Per unit (driver's run_chunk_units) the q parts are built
+// from L2), so operands are reused across the parts: scores hold a chunk's three q parts in B
+// tiles 5-7 while each of up to 4 key blocks' K chunk (A, tile 4) feeds its C tile three
+// TDPBF16PS; values hold a block's two weight parts in A tiles 4-5 while each of 4 column tiles'
+// V (B, tile 7) feeds two. Per unit (driver's run_chunk_units) the q parts are built
 // once for all its segments (16 pairs at a time, a 16 x 16 dword transpose into the B layout);
 // scores and weights are kept per segment; a score tile is transposed back so each pair's 16
 // scores are one vector (scale, masked store, running max in 16 lanes); the weights are split
@@ -45,17 +51,21 @@
 // Rapids VM and under emulation (tests/test_isa_emulation.py). Speed there (`qspec bench
 // attention --contexts 2048,8192 --ms 1,16 --prefill --paths avx512,amx`, 2 threads,
 // Qwen2.5-Coder-1.5B's 12/2 heads of 128, read bandwidth ~30 GB/s): see the README's long-prompt
-// section for the current figures. Tried and measured no faster, so not kept: one BF16 part for q
-// and the weights (when the vector work bound the kernel, before the reuse above), K read in
+// section for the current figures. One BF16 part for q and the weights (rounded) measured 1.5x
+// faster at 8k on the model-167 Xeon, but a BF16 q moves scores in the hundreds by ~1e-3 and BF16
+// weights move outputs by ~2e-3: not kept (the FMA paths' accuracy is the bar). Tried and
+// measured no faster, so not kept: K read in
 // place from the cache, prefetching the next work unit's K/V during this unit's tile and vector
 // work (4-15% slower for decode rows), extracting one group's score tiles while the next
-// group's TDPBF16PS run (2 x 4 C tile buffers), larger units (192-384 pairs), scores as pairs x
+// group's TDPBF16PS run (2 x 4 C tile buffers), scores as pairs x
 // keys (q parts as A rows, K transposed into B tiles when staged, no score transposes; the same
 // bits: level at 2k, 4% slower at 8k, 15% slower for one decode row). Decode and verify
 // rows wait on the cache rows their staging copies read (perf: ~75% of one row's kernel at 8k
 // keys): K rows are prefetched 16 keys ahead of the copy and V rows one 32-key block ahead
-// (one row at 8,192 keys 5-8% faster, 9 rows 3-11%; a whole prompt level). Left: the K/V
-// staging copies, the exp pass, the partials of 256-key segments and their merge.
+// (one row at 8,192 keys 5-8% faster, 9 rows 3-11%; a whole prompt level). Units of a prefill
+// are 384 pairs (attention.cpp, kAttnUnitPairsAmx): perf of an 8,192-row prefill with 96 showed a
+// sixth of the time in the K staging copy and its prefetches (K/V of a layer re-read from L3 by
+// every unit). Left: the exp pass, the partials of 256-key segments and their merge.
 #include <immintrin.h>
 
 #include <cmath>
@@ -69,30 +79,29 @@
 namespace qspec {
 namespace {
 
-constexpr int kParts = 3;          // x = hi + mid + lo
+constexpr int kQParts = 3;         // q = hi + mid + lo, exactly (the q-parts loop below)
+constexpr int kWParts = 2;         // a softmax weight = hi + mid, to 17 bits (split2x32)
 constexpr int64_t kTile = 16;      // rows of every tile; keys of a score block
 constexpr int64_t kVKeys = 32;     // keys of a value block (one A tile row of BF16)
 constexpr int64_t kTileElems = 512;  // BF16 elements of one 16 x 64-byte tile
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// x = hi + mid + lo exactly (truncation split): each part is the top 16 bits of the remainder.
-// The split of x[0 .. e) (e <= 32; zeros from e): part p to dst[p · part_stride + 0 .. 32), a row
-// of that part's A tile. x is only read when e > 0.
-inline void split3x32(const float* x, int64_t e, uint16_t* dst, int64_t part_stride) {
-  alignas(64) static const uint16_t kHighWords[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
-                                                      23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
-                                                      45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-  const __m512i idx = _mm512_load_si512(kHighWords), top = _mm512_set1_epi32(int(0xFFFF0000u));
+// x = hi + mid: hi the top 16 bits of x (truncation: x - hi is exact in FP32), mid that remainder
+// rounded to BF16 (nearest even), so hi + mid is x to 17 significant bits (|error| <= 2^-17 |x|).
+// The split of x[0 .. e) (e <= 32; zeros from e): part p (hi, mid) to dst[p · part_stride + 0 ..
+// 32), a row of that part's A tile. x is only read when e > 0.
+inline void split2x32(const float* x, int64_t e, uint16_t* dst, int64_t part_stride) {
   const __mmask16 m0 = e >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (e > 0 ? e : 0)) - 1u);
   const __mmask16 m1 = e >= 32 ? __mmask16(0xFFFF) : e <= 16 ? __mmask16(0) : __mmask16((1u << (e - 16)) - 1u);
-  __m512 r0 = _mm512_maskz_loadu_ps(m0, x), r1 = _mm512_maskz_loadu_ps(m1, x + 16);
-  for (int k = 0; k < kParts; ++k) {
-    const __m512i b0 = _mm512_castps_si512(r0), b1 = _mm512_castps_si512(r1);
-    _mm512_storeu_si512(dst + k * part_stride, _mm512_permutex2var_epi16(b0, idx, b1));  // the high halves
-    r0 = _mm512_sub_ps(r0, _mm512_castsi512_ps(_mm512_and_si512(b0, top)));
-    r1 = _mm512_sub_ps(r1, _mm512_castsi512_ps(_mm512_and_si512(b1, top)));
-  }
+  const __m512 r0 = _mm512_maskz_loadu_ps(m0, x), r1 = _mm512_maskz_loadu_ps(m1, x + 16);
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r0), top));
+  const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
+  const __m512bh hi = _mm512_cvtne2ps_pbh(h1, h0);  // exact: h0, h1 are BF16 values
+  const __m512bh mid = _mm512_cvtne2ps_pbh(_mm512_sub_ps(r1, h1), _mm512_sub_ps(r0, h0));
+  _mm512_storeu_si512(dst, reinterpret_cast<const __m512i&>(hi));
+  _mm512_storeu_si512(dst + part_stride, reinterpret_cast<const __m512i&>(mid));
 }
 
 // r[i] = row i of a 16 x 16 matrix of 32-bit values; afterwards r[i] = its column i.
@@ -159,7 +168,7 @@ void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b,
   static_assert(KB >= 1 && KB <= 4, "4 C tiles");
   unrolled<KB>([](auto t) { tile_zero<decltype(t)::value>(); });
   for (int64_t c = 0; c < nch; ++c) {
-    const uint16_t* q = qb + (b * nch + c) * kParts * kTileElems;  // parts hi, mid, lo
+    const uint16_t* q = qb + (b * nch + c) * kQParts * kTileElems;  // parts hi, mid, lo
     tile_load<5>(q + 2 * kTileElems, 64);
     tile_load<6>(q + kTileElems, 64);
     tile_load<7>(q, 64);
@@ -191,15 +200,13 @@ void chain_blocks(const uint16_t* ws, int64_t width, int64_t nb, const uint16_t*
   const int64_t part = kTile * width;
   for (int64_t jb = 0; jb < nb; ++jb) {
     const uint16_t* w = ws + jb * kVKeys;
-    tile_load<4>(w + 2 * part, width * 2);  // lo
-    tile_load<5>(w + part, width * 2);      // mid
-    tile_load<6>(w, width * 2);             // hi
+    tile_load<4>(w + part, width * 2);  // mid
+    tile_load<5>(w, width * 2);         // hi
     unrolled<NC>([&](auto c) {
       constexpr int C = decltype(c)::value;
       tile_load<7>(vs + jb * vblock + C * kTileElems, 64);
       tile_dpbf16<C, 4, 7>();
       tile_dpbf16<C, 5, 7>();
-      tile_dpbf16<C, 6, 7>();
     });
   }
 }
@@ -238,8 +245,8 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // that continues (part.unit_continues) finds its q parts where it left them.
   const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
                 f_vmax = round_up(np, 16) * 16;
-  const int64_t h_q = nblk * nch * kParts * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
-                h_w = kParts * kTile * (kAttnSegKeys + kVKeys);
+  const int64_t h_q = nblk * nch * kQParts * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
+                h_w = kWParts * kTile * (kAttnSegKeys + kVKeys);
   float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
   uint16_t* qb = reinterpret_cast<uint16_t*>(buf);
   float* scores = buf + h_q / 2;  // h_q is a multiple of 512
@@ -281,7 +288,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
         x0[pr] = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32), q);
         x1[pr] = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32 - 16), q + 16);
       }
-      for (int p = 0; p < kParts; ++p) {
+      for (int p = 0; p < kQParts; ++p) {
         __m512 r[kTile];
         for (int64_t pr = 0; pr < kTile; ++pr) {
           const __m512i h0 = _mm512_and_si512(_mm512_castps_si512(x0[pr]), top);
@@ -292,7 +299,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
           x1[pr] = _mm512_sub_ps(x1[pr], _mm512_castsi512_ps(h1));
         }
         transpose16(r);
-        uint16_t* dst = qb + ((b * nch + c) * kParts + p) * kTileElems;
+        uint16_t* dst = qb + ((b * nch + c) * kQParts + p) * kTileElems;
         for (int64_t rr = 0; rr < kTile; ++rr) _mm512_storeu_ps(reinterpret_cast<float*>(dst + rr * 2 * kTile), r[rr]);
       }
     }
@@ -429,13 +436,13 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       for (int64_t jb = 0; jb < nb; ++jb) {
         const int64_t j = j0 + jb * kVKeys, left = live ? n_of(u) - j : 0;
         const int64_t e = left <= 0 ? 0 : left < kVKeys ? left : kVKeys;
-        split3x32(scores + u * sc_stride + j - kbeg, e, ws + pr * w + jb * kVKeys, kTile * w);
+        split2x32(scores + u * sc_stride + j - kbeg, e, ws + pr * w + jb * kVKeys, kTile * w);
       }
     }
   };
   // Tile block by tile block: the weight parts of its shared blocks, then per group of up to 4
   // column tiles one chain through the shared blocks and, for tree rows, each row's own blocks.
-  uint16_t* const wown = wst + kParts * kTile * kAttnSegKeys;  // one own block: [part][16][32]
+  uint16_t* const wown = wst + kWParts * kTile * kAttnSegKeys;  // one own block: [part][16][32]
   const int64_t ws_width = nsb * kVKeys;
   auto chain = [&](auto nc_const, int64_t b, int64_t c) {
     constexpr int NC = decltype(nc_const)::value;
