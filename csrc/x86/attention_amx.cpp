@@ -92,16 +92,22 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // The split of x[0 .. e) (e <= 32; zeros from e): part p (hi, mid) to dst[p · part_stride + 0 ..
 // 32), a row of that part's A tile. x is only read when e > 0.
 inline void split2x32(const float* x, int64_t e, uint16_t* dst, int64_t part_stride) {
+  alignas(64) static const uint16_t kHighWords[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                      23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                      45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i idx = _mm512_load_si512(kHighWords), top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __mmask16 m0 = e >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (e > 0 ? e : 0)) - 1u);
   const __mmask16 m1 = e >= 32 ? __mmask16(0xFFFF) : e <= 16 ? __mmask16(0) : __mmask16((1u << (e - 16)) - 1u);
   const __m512 r0 = _mm512_maskz_loadu_ps(m0, x), r1 = _mm512_maskz_loadu_ps(m1, x + 16);
-  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
-  const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r0), top));
-  const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
-  const __m512bh hi = _mm512_cvtne2ps_pbh(h1, h0);  // exact: h0, h1 are BF16 values
-  const __m512bh mid = _mm512_cvtne2ps_pbh(_mm512_sub_ps(r1, h1), _mm512_sub_ps(r0, h0));
-  _mm512_storeu_si512(dst, reinterpret_cast<const __m512i&>(hi));
-  _mm512_storeu_si512(dst + part_stride, reinterpret_cast<const __m512i&>(mid));
+  const __m512i b0 = _mm512_castps_si512(r0), b1 = _mm512_castps_si512(r1);
+  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(b0, idx, b1));  // hi: the high halves
+  // the remainders (exact), rounded to nearest even: + 0x7FFF + the lowest kept bit, high halves
+  const __m512i d0 = _mm512_castps_si512(_mm512_sub_ps(r0, _mm512_castsi512_ps(_mm512_and_si512(b0, top))));
+  const __m512i d1 = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(_mm512_and_si512(b1, top))));
+  const __m512i n0 = _mm512_add_epi32(d0, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(d0, 16), one)));
+  const __m512i n1 = _mm512_add_epi32(d1, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(d1, 16), one)));
+  _mm512_storeu_si512(dst + part_stride, _mm512_permutex2var_epi16(n0, idx, n1));
 }
 
 // r[i] = row i of a 16 x 16 matrix of 32-bit values; afterwards r[i] = its column i.
