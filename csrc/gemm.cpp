@@ -432,16 +432,18 @@ GemmTiming& gemm_timing() {
   return t;
 }
 
-void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y,
-               int64_t ldy) {
-  const auto t_enter = ProfClock::now();
-  if (!gemm_supports(p, w, m))
-    throw std::invalid_argument(std::string("GEMM path '") + gemm_path_name(p) +
-                                "' is not usable here (isa_selected=" + isa_name(isa_selected()) +
-                                ", fmt=" + mx_format(w.fmt).name + ", m=" + std::to_string(m) + ")");
-  if (m < 0 || ldx < w.k || ldy < w.n) throw std::invalid_argument("gemm: bad m / ldx / ldy");
-  if (m == 0) return;
+namespace {
 
+// The calling thread's buffer of bf16 activation rows (at least n), grown only: a verify pass's
+// rows (16 x 8960 for a down projection) are past malloc's mmap threshold, and a fresh mapping per
+// call cost page faults.
+uint16_t* bf16_rows(int64_t n) {
+  thread_local std::vector<uint16_t> xbf;
+  if (xbf.size() < size_t(n)) xbf.resize(size_t(n));
+  return xbf.data();
+}
+
+GemmArgs args_of(const PackedWeight& w, int64_t m, float* y, int64_t ldy) {
   GemmArgs a;
   a.kind = decode_kind(w.fmt);
   a.n = w.n;
@@ -454,83 +456,36 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   a.m = m;
   a.y = y;
   a.ldy = ldy;
+  return a;
+}
 
-  // Activations as the kernels read them: rows zero-padded to kp, or Q8, or bf16. The buffers
-  // are per calling thread and only grow: a verify pass's bf16 rows (16 x 8960 for a down
-  // projection) are past malloc's mmap threshold, and a fresh mapping per call cost page faults.
-  thread_local std::vector<float> xpad;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xd;
-  thread_local std::vector<int32_t> xc;
-  thread_local std::vector<uint16_t> xbf;
+// x rows rounded to bf16 for the avx512_bf16 / amx kernels: [mpad][kp] (padding rows and
+// columns zero), or in the A-tile order (tiles, amx prefill).
+void round_bf16_act(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int64_t mpad, bool tiles,
+                    uint16_t* xb) {
+  // padding rows: zero (in the A-tile order they share the last row tile with real rows)
+  if (tiles) std::fill(xb + (mpad - 16) * kp, xb + mpad * kp, uint16_t(0));
+  else std::fill(xb + m * kp, xb + mpad * kp, uint16_t(0));
+  // Large prefill calls convert their rows on the pool (chunks of 16 rows from a shared counter).
+  if (m * k < (int64_t(1) << 18) || Pool::instance().threads() == 1) {
+    detail::round_bf16_rows_avx512(x, m, ldx, k, kp, xb, 0, tiles);  // both paths have AVX-512
+    return;
+  }
+  std::atomic<int64_t> next_row{0};
+  auto body = [&](int) {
+    for (int64_t r0; (r0 = next_row.fetch_add(16, std::memory_order_relaxed)) < m;)
+      detail::round_bf16_rows_avx512(x + r0 * ldx, std::min<int64_t>(16, m - r0), ldx, k, kp, xb, r0, tiles);
+  };
+  Pool::instance().run(body);
+}
+
+// Runs kernel over row blocks [0, nblk) of a call on the pool (a.m rows prepared by the caller).
+void run_on_pool(void (*kernel)(const GemmArgs&, int64_t, int64_t, float*), const GemmArgs& a, int64_t nblk,
+                 size_t weight_bytes, ProfClock::time_point t_enter) {
+  const int64_t m = a.m;
   auto fit = [](auto& v, int64_t n) {
     if (v.size() < size_t(n)) v.resize(size_t(n));
   };
-  const bool q4_tiles = p == GemmPath::amx && a.kind == detail::kQ4;
-  const bool bf16_act = p == GemmPath::avx512_bf16 || (p == GemmPath::amx && !q4_tiles);
-  if (q4_tiles) {  // two int8 parts per row (gemm_q4_amx.cpp)
-    a.kq = rup(a.kp, 64);
-    fit(xq, 2 * m * a.kq);
-    fit(xd, m);
-    fit(xc, 2 * m);
-    detail::quantize_x_i8x2(x, m, ldx, w.k, a.kq, xq.data(), xd.data(), xc.data());
-    a.xi8 = xq.data();
-    a.xrow = xd.data();
-    a.xsum = xc.data();
-  } else if (!bf16_act && (a.kind == detail::kQ4 || a.kind == detail::kQ6)) {
-    fit(xq, m * a.kp);
-    fit(xd, m * a.kp / kKBlk);
-    fit(xc, m * a.kp / kKBlk);
-    auto quantize = p == GemmPath::ref ? detail::quantize_q8_ref : detail::quantize_q8_avx2;
-    quantize(x, m, ldx, w.k, a.kp, xq.data(), xd.data(), xc.data());
-    a.xq = xq.data();
-    a.xd = xd.data();
-    a.xc = xc.data();
-  } else if (bf16_act) {
-    a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
-    fit(xbf, a.mpad * a.kp);
-    a.xbf_tiles = p == GemmPath::amx && a.mpad > 64;  // prefill: A tiles of 1 KB (gemm_amx.cpp)
-    // Large prefill calls convert their rows on the pool (chunks of 16 rows from a shared counter).
-    uint16_t* const xb = xbf.data();
-    // padding rows: zero (in the A-tile order they share the last row tile with real rows)
-    if (a.xbf_tiles) std::fill(xb + (a.mpad - 16) * a.kp, xb + a.mpad * a.kp, uint16_t(0));
-    else std::fill(xb + m * a.kp, xb + a.mpad * a.kp, uint16_t(0));
-    if (m * w.k < (int64_t(1) << 18) || Pool::instance().threads() == 1) {
-      detail::round_bf16_rows_avx512(x, m, ldx, w.k, a.kp, xb, 0, a.xbf_tiles);  // both paths have AVX-512
-    } else {
-      std::atomic<int64_t> next_row{0};
-      auto body = [&](int) {
-        for (int64_t r0; (r0 = next_row.fetch_add(16, std::memory_order_relaxed)) < m;)
-          detail::round_bf16_rows_avx512(x + r0 * ldx, std::min<int64_t>(16, m - r0), ldx, w.k, a.kp, xb, r0,
-                                         a.xbf_tiles);
-      };
-      Pool::instance().run(body);
-    }
-    a.xbf = xbf.data();
-  } else if (w.k != a.kp) {
-    fit(xpad, m * a.kp);
-    for (int64_t i = 0; i < m; ++i) {
-      std::memcpy(&xpad[size_t(i * a.kp)], x + i * ldx, size_t(w.k) * 4);
-      std::fill(&xpad[size_t(i * a.kp + w.k)], &xpad[size_t(i * a.kp)] + a.kp, 0.f);
-    }
-    a.x = xpad.data();
-    a.ldx = a.kp;
-  } else {
-    a.x = x;
-    a.ldx = ldx;
-  }
-
-  void (*kernel)(const GemmArgs&, int64_t, int64_t, float*) = nullptr;
-  switch (p) {
-    case GemmPath::ref: kernel = detail::gemm_blocks_ref; break;
-    case GemmPath::avx2: kernel = detail::gemm_blocks_avx2; break;
-    case GemmPath::avx512:
-      kernel = a.kind == detail::kQ4 && mx_vnni() ? detail::gemm_blocks_q4_vnni : detail::gemm_blocks_avx512;
-      break;
-    case GemmPath::avx512_bf16: kernel = detail::gemm_blocks_avx512_bf16; break;
-    case GemmPath::amx: kernel = a.kind == detail::kQ4 ? detail::gemm_blocks_q4_amx : detail::gemm_blocks_amx; break;
-  }
-
   // Threads split row blocks of N only (K is never split), so the thread count never
   // changes what a row computes. The blocks are claimed from a shared counter in shrinking
   // pieces (guided self-scheduling: remaining / (2 x threads), whole groups of 4 row blocks,
@@ -538,10 +493,9 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   // neither a thread that loses its core on a shared machine nor an uneven finish holds the
   // other threads for long. Each piece is computed whole by one thread, so which thread
   // takes it changes nothing in the result. Tiny problems stay on one thread.
-  const int64_t nblk = a.np / kRows;
   Pool& pool = Pool::instance();
   int threads = pool.threads();
-  if (w.nbytes() * size_t(m) < (size_t(1) << 16)) threads = 1;
+  if (weight_bytes * size_t(m) < (size_t(1) << 16)) threads = 1;
   threads = int(std::min<int64_t>(threads, nblk));
   const int64_t scratch = std::max(m * detail::kAccCols, a.xbf_tiles ? detail::kAmxPrefillScratch : 0);  // amx prefill
   thread_local std::vector<float> acc_buf;  // a slot each: any worker may join (kernels initialise it)
@@ -576,8 +530,123 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   timing.region.add(seconds_between(t_region, ProfClock::now()), 1e-9 * double(busy_ns.load()), threads);
 }
 
+}  // namespace
+
+void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y,
+               int64_t ldy) {
+  const auto t_enter = ProfClock::now();
+  if (!gemm_supports(p, w, m))
+    throw std::invalid_argument(std::string("GEMM path '") + gemm_path_name(p) +
+                                "' is not usable here (isa_selected=" + isa_name(isa_selected()) +
+                                ", fmt=" + mx_format(w.fmt).name + ", m=" + std::to_string(m) + ")");
+  if (m < 0 || ldx < w.k || ldy < w.n) throw std::invalid_argument("gemm: bad m / ldx / ldy");
+  if (m == 0) return;
+
+  GemmArgs a = args_of(w, m, y, ldy);
+
+  // Activations as the kernels read them: rows zero-padded to kp, or Q8, or bf16. The buffers
+  // are per calling thread and only grow: a verify pass's bf16 rows (16 x 8960 for a down
+  // projection) are past malloc's mmap threshold, and a fresh mapping per call cost page faults.
+  thread_local std::vector<float> xpad;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd;
+  thread_local std::vector<int32_t> xc;
+  auto fit = [](auto& v, int64_t n) {
+    if (v.size() < size_t(n)) v.resize(size_t(n));
+  };
+  const bool q4_tiles = p == GemmPath::amx && a.kind == detail::kQ4;
+  const bool bf16_act = p == GemmPath::avx512_bf16 || (p == GemmPath::amx && !q4_tiles);
+  if (q4_tiles) {  // two int8 parts per row (gemm_q4_amx.cpp)
+    a.kq = rup(a.kp, 64);
+    fit(xq, 2 * m * a.kq);
+    fit(xd, m);
+    fit(xc, 2 * m);
+    detail::quantize_x_i8x2(x, m, ldx, w.k, a.kq, xq.data(), xd.data(), xc.data());
+    a.xi8 = xq.data();
+    a.xrow = xd.data();
+    a.xsum = xc.data();
+  } else if (!bf16_act && (a.kind == detail::kQ4 || a.kind == detail::kQ6)) {
+    fit(xq, m * a.kp);
+    fit(xd, m * a.kp / kKBlk);
+    fit(xc, m * a.kp / kKBlk);
+    auto quantize = p == GemmPath::ref ? detail::quantize_q8_ref : detail::quantize_q8_avx2;
+    quantize(x, m, ldx, w.k, a.kp, xq.data(), xd.data(), xc.data());
+    a.xq = xq.data();
+    a.xd = xd.data();
+    a.xc = xc.data();
+  } else if (bf16_act) {
+    a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
+    a.xbf_tiles = p == GemmPath::amx && a.mpad > detail::kAmxPrefillRows;  // prefill: A tiles of 1 KB (gemm_amx.cpp)
+    uint16_t* const xb = bf16_rows(a.mpad * a.kp);
+    round_bf16_act(x, m, ldx, w.k, a.kp, a.mpad, a.xbf_tiles, xb);
+    a.xbf = xb;
+  } else if (w.k != a.kp) {
+    fit(xpad, m * a.kp);
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(&xpad[size_t(i * a.kp)], x + i * ldx, size_t(w.k) * 4);
+      std::fill(&xpad[size_t(i * a.kp + w.k)], &xpad[size_t(i * a.kp)] + a.kp, 0.f);
+    }
+    a.x = xpad.data();
+    a.ldx = a.kp;
+  } else {
+    a.x = x;
+    a.ldx = ldx;
+  }
+
+  void (*kernel)(const GemmArgs&, int64_t, int64_t, float*) = nullptr;
+  switch (p) {
+    case GemmPath::ref: kernel = detail::gemm_blocks_ref; break;
+    case GemmPath::avx2: kernel = detail::gemm_blocks_avx2; break;
+    case GemmPath::avx512:
+      kernel = a.kind == detail::kQ4 && mx_vnni() ? detail::gemm_blocks_q4_vnni : detail::gemm_blocks_avx512;
+      break;
+    case GemmPath::avx512_bf16: kernel = detail::gemm_blocks_avx512_bf16; break;
+    case GemmPath::amx: kernel = a.kind == detail::kQ4 ? detail::gemm_blocks_q4_amx : detail::gemm_blocks_amx; break;
+  }
+
+  run_on_pool(kernel, a, a.np / kRows, w.nbytes(), t_enter);
+}
+
 void gemm(const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy) {
   gemm_path(gemm_choose(w, m), w, x, m, ldx, y, ldy);
+}
+
+bool gemm_swiglu_supported(const PackedWeight& gate_up, const PackedWeight& down, int64_t m) {
+  const int64_t f = gate_up.n / 2;
+  return m > 0 && rup(m, 16) > detail::kAmxPrefillRows && gate_up.fmt == WFormat::bf16 && down.fmt == WFormat::bf16 &&
+         gate_up.n % 2 == 0 && f % kKBlk == 0 && down.k == f && gemm_choose(gate_up, m) == GemmPath::amx &&
+         gemm_choose(down, m) == GemmPath::amx;
+}
+
+void gemm_swiglu(const PackedWeight& gate_up, const float* x, int64_t m, int64_t ldx, uint16_t* act) {
+  const auto t_enter = ProfClock::now();
+  const int64_t f = gate_up.n / 2;
+  if (!(m > 0 && rup(m, 16) > detail::kAmxPrefillRows && gate_up.fmt == WFormat::bf16 && gate_up.n % 2 == 0 &&
+        f % kKBlk == 0 && gemm_choose(gate_up, m) == GemmPath::amx) || ldx < gate_up.k)
+    throw std::invalid_argument("gemm_swiglu: needs BF16 gate|up weights on the amx path, more than " +
+                                std::to_string(detail::kAmxPrefillRows) + " rows and n / 2 a multiple of 32");
+  GemmArgs a = args_of(gate_up, m, nullptr, 0);
+  a.mpad = rup(m, 16);
+  a.xbf_tiles = true;
+  uint16_t* const xb = bf16_rows(a.mpad * a.kp);
+  round_bf16_act(x, m, ldx, gate_up.k, a.kp, a.mpad, true, xb);
+  a.xbf = xb;
+  a.act = act;
+  a.act_kp = f;
+  run_on_pool(detail::gemm_blocks_amx_swiglu, a, f / kRows, gate_up.nbytes(), t_enter);
+}
+
+void gemm_act_tiles(const PackedWeight& w, const uint16_t* act, int64_t m, float* y, int64_t ldy) {
+  const auto t_enter = ProfClock::now();
+  if (!(m > 0 && rup(m, 16) > detail::kAmxPrefillRows && w.fmt == WFormat::bf16 && w.k % kKBlk == 0 &&
+        gemm_choose(w, m) == GemmPath::amx) || ldy < w.n)
+    throw std::invalid_argument("gemm_act_tiles: needs BF16 weights on the amx path, more than " +
+                                std::to_string(detail::kAmxPrefillRows) + " rows and k a multiple of 32");
+  GemmArgs a = args_of(w, m, y, ldy);
+  a.mpad = rup(m, 16);
+  a.xbf_tiles = true;
+  a.xbf = act;
+  run_on_pool(detail::gemm_blocks_amx, a, a.np / kRows, w.nbytes(), t_enter);
 }
 
 }  // namespace qspec

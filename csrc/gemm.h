@@ -132,4 +132,16 @@ void gemm(const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* 
 void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* y,
                int64_t ldy);
 
+// A prefill's MLP on AMX tiles without its FP32 gate|up output: gemm_swiglu computes the gate|up
+// projection (gate rows [0, n/2), up rows [n/2, n)) of m rows and writes act = silu(gate) * up,
+// rounded to bf16, into act ([rup(m, 16)][n / 2] bf16 in the amx kernel's A-tile order: 16 rows x
+// 32 columns a contiguous 1 KB tile); gemm_act_tiles runs the down projection from it. Every
+// element is the unfused sequence's: the same C tile chains (gemm_amx.cpp), silu_mul_avx2's
+// arithmetic lane for lane and the rounding gemm applies to x, so a prefill row keeps the bits
+// of a decode row. Usable when gemm_swiglu_supported (BF16 weights, amx chosen, more than
+// kAmxPrefillRows rows, n / 2 = down.k a multiple of 32); std::invalid_argument otherwise.
+bool gemm_swiglu_supported(const PackedWeight& gate_up, const PackedWeight& down, int64_t m);
+void gemm_swiglu(const PackedWeight& gate_up, const float* x, int64_t m, int64_t ldx, uint16_t* act);
+void gemm_act_tiles(const PackedWeight& w, const uint16_t* act, int64_t m, float* y, int64_t ldy);
+
 }  // namespace qspec

@@ -116,6 +116,24 @@ void bind_gemm(py::module_& m) {
   }, py::arg("fmt"), py::arg("codes"), py::arg("scales"), py::arg("k"),
      "Pack MX codes (uint8 one per byte [N, Kpad]) and E8M0 scales (uint8 [N, Kpad/32])");
 
+  m.def("gemm_swiglu_supported", &gemm_swiglu_supported, py::arg("gate_up"), py::arg("down"), py::arg("m"),
+        "Whether a prefill of m rows takes the fused amx MLP (gemm_swiglu + gemm_act_tiles).");
+  m.def("mlp_swiglu", [](const PackedWeight& gate_up, const PackedWeight& down, py::array_t<float, py::array::c_style> x) {
+    check_2d(x, "mlp_swiglu x", py::dtype::of<float>());
+    const int64_t mrows = x.shape(0);
+    if (x.shape(1) != gate_up.k) throw std::invalid_argument("mlp_swiglu: x columns != gate_up k");
+    if (!gemm_swiglu_supported(gate_up, down, mrows))
+      throw std::invalid_argument("mlp_swiglu: not usable here (gemm_swiglu_supported is false)");
+    std::vector<uint16_t> act(size_t(((mrows + 15) / 16) * 16 * down.k));
+    py::array_t<float> y({mrows, down.n});
+    {
+      py::gil_scoped_release nogil;
+      gemm_swiglu(gate_up, x.data(), mrows, gate_up.k, act.data());
+      gemm_act_tiles(down, act.data(), mrows, y.mutable_data(), down.n);
+    }
+    return y;
+  }, py::arg("gate_up"), py::arg("down"), py::arg("x"),
+  "The fused amx prefill MLP: down(silu(gate) * up) of x's rows through gemm_swiglu and gemm_act_tiles.");
   m.def("gemm", [](const PackedWeight& w, py::array x, std::optional<py::array> out,
                    std::optional<std::string> path) {
     check_2d(x, "gemm x", py::dtype::of<float>());

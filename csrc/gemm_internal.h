@@ -56,6 +56,11 @@ struct GemmArgs {
   int64_t kq = 0;                 // amx MXFP4: kp rounded up to 64 (one TDPBSSD's k), zero-filled
   float* y = nullptr;
   int64_t ldy = 0;
+  // amx prefill of a gate|up projection with SwiGLU (gemm_swiglu): instead of y, the row blocks
+  // nb < n / 32 (gate) and nb + n / 32 (up) give act = silu(gate) * up rounded to bf16, written
+  // in the A-tile order of the down projection's x ([mpad rows][act_kp], act_kp = n / 2).
+  uint16_t* act = nullptr;
+  int64_t act_kp = 0;
   int64_t prefetch = 0;  // software prefetch distance in bytes of a row block's stream (0: default)
 };
 
@@ -84,6 +89,8 @@ constexpr int64_t kL2Bytes = 262144;
 // Per-thread scratch (floats) of the amx BF16 kernel's prefill (gemm_amx.cpp): partial sums of a
 // chunk of 256 rows x 16 row blocks between its K chunks.
 constexpr int64_t kAmxPrefillScratch = 256 * 16 * kRows;
+// The amx BF16 kernel's prefill (blocked, x in the A-tile order) from more than this many rows.
+constexpr int64_t kAmxPrefillRows = 64;
 
 // Rows [m0, m0 + m) of a call as a call of their own (every activation pointer and y moved).
 GemmArgs rows_of(const GemmArgs& a, int64_t m0, int64_t m);
@@ -96,6 +103,7 @@ void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc)
 void gemm_blocks_mx_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ6, byte codes
 void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+void gemm_blocks_amx_swiglu(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // gate blocks [nb0, nb1)
 void gemm_blocks_q4_vnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ4, AVX512-VNNI
 void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);   // kQ4, AMX-INT8 tiles / VNNI
 // x rows -> xi8 / xrow of the amx MXFP4 kernel (gemm_q4_amx.cpp)

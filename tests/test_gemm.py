@@ -556,6 +556,39 @@ def test_amx_rows_same_for_decode_and_prefill(rng, n, k, ms):
             np.testing.assert_array_equal(_C.gemm(pw, xi, path="amx")[i], alone[0], err_msg=f"m={m} row={i}")
 
 
+@pytest.mark.parametrize("d,f,m", [(128, 320, 65), (96, 64, 200), (256, 1024, 300)])
+def test_fused_swiglu_mlp_keeps_the_bits(rng, d, f, m):
+    """The amx prefill MLP without FP32 gate|up rows (gemm_swiglu + gemm_act_tiles) gives the bits of
+    gemm -> silu_mul -> gemm, and each of its rows those of a one-row (decode) pass."""
+    gu, _ = make_weight(rng, "bf16", 2 * f, d)
+    dn, _ = make_weight(rng, "bf16", d, f)
+    if not _C.gemm_swiglu_supported(gu, dn, m):
+        pytest.skip("no amx level here")
+    x = (rng.standard_normal((m, d)) * 2).astype(np.float32)
+    x[3, :5] = [60.0, -60.0, 0.0, 1e-30, -1e-30]  # saturating and vanishing gates
+
+    def unfused(rows):
+        g = _C.gemm(gu, rows)
+        act = np.stack([_C.silu_mul(np.ascontiguousarray(r[:f]), np.ascontiguousarray(r[f:]), "avx2") for r in g])
+        return _C.gemm(dn, act)
+
+    got = _C.mlp_swiglu(gu, dn, x)
+    np.testing.assert_array_equal(got.view(np.uint32), unfused(x).view(np.uint32))
+    for i in (0, 3, m - 1):
+        np.testing.assert_array_equal(got[i].view(np.uint32), unfused(x[i:i + 1])[0].view(np.uint32), err_msg=f"row {i}")
+
+
+def test_fused_swiglu_mlp_shapes_it_refuses(rng):
+    gu, _ = make_weight(rng, "bf16", 2 * 48, 64)  # n / 2 = 48: not a multiple of 32
+    dn, _ = make_weight(rng, "bf16", 64, 48)
+    assert not _C.gemm_swiglu_supported(gu, dn, 200)
+    with pytest.raises(ValueError, match="mlp_swiglu"):
+        _C.mlp_swiglu(gu, dn, np.zeros((200, 64), np.float32))
+    gu, _ = make_weight(rng, "bf16", 2 * 64, 64)
+    dn, _ = make_weight(rng, "bf16", 64, 64)
+    assert not _C.gemm_swiglu_supported(gu, dn, 64)  # 64 rows: decode / verify, not a prefill
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_batch_invariance_long_k(fmt, rng):
     """Long K exercises the K-chunked loop of the M-blocked kernels, and past kPrefillRows rows

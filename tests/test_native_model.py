@@ -60,6 +60,22 @@ def test_forward_rows_are_batch_invariant(small_backend, isa, draft):
         _C.set_num_threads(threads0)
 
 
+@pytest.mark.parametrize("isa", ISA_LEVELS)
+def test_prefill_rows_equal_decode_rows(small_backend, isa):
+    """A 100-row prefill (at the amx level: the fused MLP on tiles, gemm_swiglu) gives each row the
+    logits of feeding the prompt one token at a time, bit for bit."""
+    _C.set_isa_limit(isa)
+    try:
+        be = small_backend
+        prompt = np.random.default_rng(3).integers(0, 300, size=100).tolist()
+        batched = be.forward(prompt, 0, all_logits=True).copy()
+        for j, t in enumerate(prompt):
+            single = be.forward([t], j)[0]
+            assert np.array_equal(single, batched[j]), f"row {j}"
+    finally:
+        _C.set_isa_limit(_C.isa_detected())
+
+
 @pytest.mark.skipif("amx" not in ISA_LEVELS, reason="no amx level here")
 def test_draft_rows_batch_invariant_on_amx_mxfp4(small_backend):
     """With MXFP4 on the amx path (_C.set_mx_tiles(True): vpdpbusd up to 2 rows, int8 tiles from
