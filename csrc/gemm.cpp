@@ -434,12 +434,15 @@ GemmTiming& gemm_timing() {
 
 namespace {
 
-// The calling thread's buffer of bf16 activation rows (at least n), grown only: a verify pass's
-// rows (16 x 8960 for a down projection) are past malloc's mmap threshold, and a fresh mapping per
-// call cost page faults.
+template <typename V>
+void fit(V& v, int64_t n) {  // grow only
+  if (v.size() < size_t(n)) v.resize(size_t(n));
+}
+
+// The calling thread's buffer of bf16 activation rows (at least n; see gemm_path's buffers).
 uint16_t* bf16_rows(int64_t n) {
   thread_local std::vector<uint16_t> xbf;
-  if (xbf.size() < size_t(n)) xbf.resize(size_t(n));
+  fit(xbf, n);
   return xbf.data();
 }
 
@@ -483,9 +486,6 @@ void round_bf16_act(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t k
 void run_on_pool(void (*kernel)(const GemmArgs&, int64_t, int64_t, float*), const GemmArgs& a, int64_t nblk,
                  size_t weight_bytes, ProfClock::time_point t_enter) {
   const int64_t m = a.m;
-  auto fit = [](auto& v, int64_t n) {
-    if (v.size() < size_t(n)) v.resize(size_t(n));
-  };
   // Threads split row blocks of N only (K is never split), so the thread count never
   // changes what a row computes. The blocks are claimed from a shared counter in shrinking
   // pieces (guided self-scheduling: remaining / (2 x threads), whole groups of 4 row blocks,
@@ -551,9 +551,6 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
   thread_local std::vector<int32_t> xc;
-  auto fit = [](auto& v, int64_t n) {
-    if (v.size() < size_t(n)) v.resize(size_t(n));
-  };
   const bool q4_tiles = p == GemmPath::amx && a.kind == detail::kQ4;
   const bool bf16_act = p == GemmPath::avx512_bf16 || (p == GemmPath::amx && !q4_tiles);
   if (q4_tiles) {  // two int8 parts per row (gemm_q4_amx.cpp)

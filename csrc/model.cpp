@@ -338,6 +338,9 @@ class Model {
         if (set == 0) kv_k4_finalize(sp.kv, 0, sp.start_pos / sp.kv.k_group * sp.kv.k_group);
       }
     const int64_t half = rope_dim_ / 2;
+    auto add_residual = [&](int64_t r) {  // h += tmp, row r
+      for (int64_t i = r * d_; i < (r + 1) * d_; ++i) h_[i] += tmp_[i];
+    };
     for (int64_t l = 0; l < n_layers_; ++l) {
       const LayerSet& L = ws.layers[l];
       for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], attn_norm_[l].data(), eps_, d_, &x_[r * d_]); });
@@ -409,8 +412,10 @@ class Model {
         lap(prof_.reduce);
       }
       post_norm(post_attn_norm_[l], m);
-      for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
-      for_rows(m, [&](int64_t r) { rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]); });
+      for_rows(m, [&](int64_t r) {
+        add_residual(r);
+        rms_norm(&h_[r * d_], mlp_norm_[l].data(), eps_, d_, &x_[r * d_]);
+      });
       if (fused_mlp) {
         timed(kGateUp, [&] { gemm_swiglu(*L.wgu, x_.data(), m, d_, act_bf_.data()); });
         timed(kDown, [&] { gemm_act_tiles(*L.wdown, act_bf_.data(), m, tmp_.data(), d_); });
@@ -426,7 +431,7 @@ class Model {
         lap(prof_.reduce);
       }
       post_norm(post_mlp_norm_[l], m);
-      for (int64_t i = 0; i < m * d_; ++i) h_[i] += tmp_[i];
+      for_rows(m, add_residual);
     }
     int64_t rows = 0;  // the rows that get logits, packed into x_
     for (size_t s = 0; s < seqs.size(); ++s)
