@@ -51,6 +51,7 @@
 
 #include "amx_tiles.h"
 #include "gemm_internal.h"
+#include "vec_avx512.h"
 
 namespace qspec {
 namespace detail {
@@ -76,28 +77,6 @@ inline void store_tile_rows(const GemmArgs& a, const float* c, int64_t m0, int64
     std::memcpy(a.y + (m0 + r) * a.ldy + n0, c + r * 16, size_t(cols) * 4);
 }
 
-// e^x in 16 lanes, lane for lane the arithmetic of avx2::exp (csrc/x86/vec_avx2.h), so the fused
-// SwiGLU below gives silu_mul_avx2's bits.
-inline __m512 exp16(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.f / 5040.f);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 720.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 120.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 24.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f / 6.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.f));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-  const __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(poly), pow2n));
-  return _mm512_maskz_mov_ps(_knot_mask16(tiny), y);
-}
-
 // 16 rows (from row m0) x 16 columns (from col) of act = silu(g) * u (silu_mul_avx2's arithmetic),
 // rounded to bf16 as round_bf16_rows_avx512 rounds the down projection's x, in its A-tile order.
 inline void swiglu_rows(const float* g, const float* u, uint16_t* act, int64_t act_kp, int64_t m0, int64_t col) {
@@ -107,7 +86,7 @@ inline void swiglu_rows(const float* g, const float* u, uint16_t* act, int64_t a
   uint16_t* dst = act + (m0 / 16) * 16 * act_kp + (col / 32) * 512 + col % 32;  // m0: a multiple of 16
   for (int r = 0; r < 16; ++r) {
     const __m512 gv = _mm512_load_ps(g + r * 16);
-    const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_xor_ps(gv, neg))));
+    const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, avx512::exp(_mm512_xor_ps(gv, neg))));
     const __m512i w = _mm512_castps_si512(_mm512_mul_ps(sv, _mm512_load_ps(u + r * 16)));
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(w, abs_mask), inf);
     __m512i v = _mm512_add_epi32(_mm512_add_epi32(w, bias), _mm512_and_si512(_mm512_srli_epi32(w, 16), lsb));
