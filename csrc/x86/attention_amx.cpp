@@ -10,8 +10,9 @@
 // exact remainder rounded to nearest (split2x32), so hi + mid is w to 17 significant bits (relative
 // error <= 2^-17, ~1e-5 in an output: far below the BF16 rounding of the V rows it weighs, and
 // within the float64 oracle's tolerance). The third weight part cost a third of the V pass's
-// TDPBF16PS and split work: 8,192-row prefill 1.08-1.17x faster without it (model-167 AMX Xeon,
-// 2 threads, `qspec bench attention --contexts 2048,8192 --ms 9 --prefill --paths amx`).
+// TDPBF16PS and split work: an 8,192-row prefill 1.06-1.23x faster without it in three
+// alternations, 1.08x by the medians (model-167 AMX Xeon, 2 threads, `qspec bench attention
+// --contexts 2048,8192 --ms 9 --prefill --paths amx`).
 // AMX flushes BF16 denormals: parts below 2^-126 are lost.
 //
 //   scores  Sᵀ[key][pair] = Σ_c Σ_part K[key][32c ..] · q_part[pair][32c ..]: A = 16 keys × 32
