@@ -556,7 +556,8 @@ def test_amx_rows_same_for_decode_and_prefill(rng, n, k, ms):
             np.testing.assert_array_equal(_C.gemm(pw, xi, path="amx")[i], alone[0], err_msg=f"m={m} row={i}")
 
 
-@pytest.mark.parametrize("d,f,m", [(128, 320, 65), (96, 64, 200), (256, 1024, 300)])
+# the last two cross K chunks (gemm_amx.cpp: at most 2,048 k at a time, C tiles parked between)
+@pytest.mark.parametrize("d,f,m", [(128, 320, 65), (96, 64, 200), (256, 1024, 300), (2112, 64, 80), (64, 2304, 70)])
 def test_fused_swiglu_mlp_keeps_the_bits(rng, d, f, m):
     """The amx prefill MLP without FP32 gate|up rows (gemm_swiglu + gemm_act_tiles) gives the bits of
     gemm -> silu_mul -> gemm, and each of its rows those of a one-row (decode) pass."""

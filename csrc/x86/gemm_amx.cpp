@@ -17,10 +17,10 @@
 // (rows are independent) but would save only TMUL work, which is not the bound: one 1 KB B tile
 // per 16-cycle TDPBF16PS is far more than a core's share of DRAM bandwidth.
 //
-// Decode/verify (mpad <= kAmxPrefillRows): each B tile is loaded once per k step and used by every row tile
-// (the weight stream is read once for all M rows), with up to 4 independent C tiles in flight
-// to cover TDPBF16PS latency (M <= 16: 4 row blocks at once) and a software prefetch of each
-// row block's stream. Prefill (mpad > 64): 2 x 2 tiles per 32 rows, blocked for the caches
+// Decode/verify (mpad <= kAmxPrefillRows = 64): each B tile is loaded once per k step and used
+// by every row tile (the weight stream is read once for all M rows), with up to 4 independent C
+// tiles in flight to cover TDPBF16PS latency (M <= 16: 4 row blocks at once) and a software
+// prefetch of each row block's stream. Prefill (mpad > 64): 2 x 2 tiles per 32 rows, blocked for the caches
 // (prefill_blocks).
 // Tested against ref on a Sapphire Rapids VM and under emulation (tests/test_isa_emulation.py).
 // There (Qwen2.5-Coder-1.5B shapes, 2 threads, `qspec bench kernels`): one row at ~80% of the
@@ -213,7 +213,7 @@ void prefill_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* cbuf) {
       for (int64_t k0 = 0; k0 < a.kp; k0 += kc) {
         const int64_t k1 = a.kp - k0 < kc ? a.kp : k0 + kc;
         for (int64_t nb = s0; nb < s1; nb += 2 / per_block) {
-          const bool two_b = up || nb + 1 < s1;
+          const bool two_b = nb + 1 < s1;  // (gemm_swiglu: always gate and up)
           for (int64_t r = 0; r < mc; r += 32) {
             const bool two_a = r + 16 < mc;
             float* t = cbuf + (r / 16) * ct.row_stride + (nb - s0) * per_block * 256;
