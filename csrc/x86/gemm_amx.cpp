@@ -43,7 +43,8 @@
 // FP32 gate|up rows (147 MB a layer) are never written. Tried on the same machine, no faster
 // (env-switched builds, `[2048 x 1536] x [17920 x 1536]^T` and `[2048 x 8960] x [1536 x 8960]^T`):
 // K chunks of 256-768 with 512-1,024-row chunks, 8-64 row blocks a piece, non-temporal y stores,
-// a software prefetch of the next B pair into L2 or L1 (all within 10%: 1.0-1.3 TFLOP/s).
+// a software prefetch of the next B pair into L2 or L1 (1.0-1.3 TFLOP/s against 1.14-1.27;
+// K chunks of 512 and 1,024-row chunks 10-20% slower).
 #include <immintrin.h>
 
 #include <cstdint>
