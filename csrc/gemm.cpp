@@ -608,18 +608,26 @@ void gemm(const PackedWeight& w, const float* x, int64_t m, int64_t ldx, float* 
   gemm_path(gemm_choose(w, m), w, x, m, ldx, y, ldy);
 }
 
+namespace {
+
+// BF16 weights of a call of m rows that takes the amx kernel's prefill (x in the A-tile order)
+// with a K in whole 32-column steps: what gemm_swiglu's two halves need of each weight.
+bool amx_prefill_tiles(const PackedWeight& w, int64_t k, int64_t m) {
+  return m > 0 && rup(m, 16) > detail::kAmxPrefillRows && w.fmt == WFormat::bf16 && k % kKBlk == 0 &&
+         gemm_choose(w, m) == GemmPath::amx;
+}
+
+}  // namespace
+
 bool gemm_swiglu_supported(const PackedWeight& gate_up, const PackedWeight& down, int64_t m) {
-  const int64_t f = gate_up.n / 2;
-  return m > 0 && rup(m, 16) > detail::kAmxPrefillRows && gate_up.fmt == WFormat::bf16 && down.fmt == WFormat::bf16 &&
-         gate_up.n % 2 == 0 && f % kKBlk == 0 && down.k == f && gemm_choose(gate_up, m) == GemmPath::amx &&
-         gemm_choose(down, m) == GemmPath::amx;
+  return gate_up.n % 2 == 0 && down.k == gate_up.n / 2 && amx_prefill_tiles(gate_up, gate_up.n / 2, m) &&
+         amx_prefill_tiles(down, down.k, m);
 }
 
 void gemm_swiglu(const PackedWeight& gate_up, const float* x, int64_t m, int64_t ldx, uint16_t* act) {
   const auto t_enter = ProfClock::now();
   const int64_t f = gate_up.n / 2;
-  if (!(m > 0 && rup(m, 16) > detail::kAmxPrefillRows && gate_up.fmt == WFormat::bf16 && gate_up.n % 2 == 0 &&
-        f % kKBlk == 0 && gemm_choose(gate_up, m) == GemmPath::amx) || ldx < gate_up.k)
+  if (gate_up.n % 2 != 0 || !amx_prefill_tiles(gate_up, f, m) || ldx < gate_up.k)
     throw std::invalid_argument("gemm_swiglu: needs BF16 gate|up weights on the amx path, more than " +
                                 std::to_string(detail::kAmxPrefillRows) + " rows and n / 2 a multiple of 32");
   GemmArgs a = args_of(gate_up, m, nullptr, 0);
@@ -635,8 +643,7 @@ void gemm_swiglu(const PackedWeight& gate_up, const float* x, int64_t m, int64_t
 
 void gemm_act_tiles(const PackedWeight& w, const uint16_t* act, int64_t m, float* y, int64_t ldy) {
   const auto t_enter = ProfClock::now();
-  if (!(m > 0 && rup(m, 16) > detail::kAmxPrefillRows && w.fmt == WFormat::bf16 && w.k % kKBlk == 0 &&
-        gemm_choose(w, m) == GemmPath::amx) || ldy < w.n)
+  if (!amx_prefill_tiles(w, w.k, m) || ldy < w.n)
     throw std::invalid_argument("gemm_act_tiles: needs BF16 weights on the amx path, more than " +
                                 std::to_string(detail::kAmxPrefillRows) + " rows and k a multiple of 32");
   GemmArgs a = args_of(w, m, y, ldy);
