@@ -7,6 +7,7 @@
 // Batch invariance (docs/architecture.md invariant 2): the output of query row i is bit-identical
 // whatever m is, whatever the other rows hold and whatever the thread count.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <climits>
@@ -225,17 +226,22 @@ inline int64_t attn_recent_lo(const AttnArgs& a, int64_t i) {
   return lo > 0 ? lo : 0;
 }
 
+// Key j's K group (page) of the draft copy, and the first key past it (no division when k_group
+// is a power of two, as the pool's page size is).
+inline int64_t attn_page_of(const AttnArgs& a, int64_t j) {
+  return a.kv.k_group_shift >= 0 ? j >> a.kv.k_group_shift : j / a.kv.k_group;
+}
+inline int64_t attn_page_end(const AttnArgs& a, int64_t j) { return (attn_page_of(a, j) + 1) * a.kv.k_group; }
 // Whether query row i attends logical key j of KV head kvh (false: its page is dropped by the
 // sparse draft attention).
 inline bool attn_key_kept(const AttnArgs& a, int64_t i, int64_t kvh, int64_t j) {
   if (!a.page_keep) return true;
-  const int64_t g = a.kv.k_group_shift >= 0 ? j >> a.kv.k_group_shift : j / a.kv.k_group;
-  return a.page_keep[(i * a.kv.kv_heads + kvh) * a.page_stride + g] != 0;
+  return a.page_keep[(i * a.kv.kv_heads + kvh) * a.page_stride + attn_page_of(a, j)] != 0;
 }
 // Whether any key of [j0, j1) of row i, KV head kvh is attended (j0 < j1).
 inline bool attn_keys_kept(const AttnArgs& a, int64_t i, int64_t kvh, int64_t j0, int64_t j1) {
   if (!a.page_keep) return true;
-  for (int64_t j = j0; j < j1; j = (j / a.kv.k_group + 1) * a.kv.k_group)
+  for (int64_t j = j0; j < j1; j = attn_page_end(a, j))
     if (attn_key_kept(a, i, kvh, j)) return true;
   return false;
 }
@@ -245,10 +251,10 @@ inline float attn_drop_max(const AttnArgs& a, int64_t i, int64_t kvh, float* sco
                            float folded) {
   if (!a.page_keep) return folded;
   bool any = false;
-  for (int64_t j0 = kbeg; j0 < n; j0 = (j0 / a.kv.k_group + 1) * a.kv.k_group) {  // page by page
+  for (int64_t j0 = kbeg; j0 < n; j0 = attn_page_end(a, j0)) {  // page by page
     if (attn_key_kept(a, i, kvh, j0)) continue;
-    const int64_t j1 = (j0 / a.kv.k_group + 1) * a.kv.k_group;
-    for (int64_t j = j0; j < j1 && j < n; ++j) scores[j] = -INFINITY;
+    const int64_t j1 = attn_page_end(a, j0) < n ? attn_page_end(a, j0) : n;
+    std::fill(scores + j0, scores + j1, -INFINITY);
     any = true;
   }
   if (!any) return folded;
@@ -267,9 +273,9 @@ inline uint32_t attn_kept_bits(const AttnArgs& a, int64_t i, int64_t kvh, int64_
   const uint32_t all = n >= 32 ? ~uint32_t(0) : (uint32_t(1) << n) - 1;
   if (!a.page_keep) return all;
   uint32_t bits = 0;
-  for (int64_t j = j0; j < j0 + n; j = (j / a.kv.k_group + 1) * a.kv.k_group) {
+  for (int64_t j = j0; j < j0 + n; j = attn_page_end(a, j)) {
     if (!attn_key_kept(a, i, kvh, j)) continue;
-    const int64_t e = (j / a.kv.k_group + 1) * a.kv.k_group - j0;  // the page's end, relative
+    const int64_t e = attn_page_end(a, j) - j0;  // the page's end, relative
     bits |= (e >= 32 ? ~uint32_t(0) : (uint32_t(1) << e) - 1) & ~((uint32_t(1) << (j - j0)) - 1);
   }
   return bits & all;

@@ -534,11 +534,14 @@ def test_sinks_need_the_copy_and_fit_a_segment():
             _C.attention(q, kv, 0, 30, **kw)
 
 
+# head_dim 128: a row alone scores its whole 32-key blocks 16 keys at a time (k4_scores16), the
+# same keys as another row's own keys in the 33-row call one at a time (k4_dot8): the same bits.
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("path", PATHS)
-def test_kernel_batch_invariant_and_deterministic(path, fmt):
-    kv, q8 = make_cache(700, 3, 64, seed=2, fmt=fmt)
-    q = np.random.default_rng(3).standard_normal((33, 9, 64)).astype(np.float32)
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (12, 2, 128)])
+def test_kernel_batch_invariant_and_deterministic(path, fmt, heads, kv_heads, hd):
+    kv, q8 = make_cache(700, kv_heads, hd, seed=2, fmt=fmt)
+    q = np.random.default_rng(3).standard_normal((33, heads, hd)).astype(np.float32)
     start = 600
     whole = _C.attention(q, kv, 0, start, path=path, q8=q8)
     threads = _C.get_num_threads()

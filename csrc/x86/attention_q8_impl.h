@@ -219,6 +219,7 @@ inline __m512i k4_dot_step(__m512i acc, __m512i k, __m512i q) {
 struct K4Table {
   int64_t group = -1;
   float delta = 0.f, qc = 0.f;
+  int32_t corr = 0;  // 8 · Σ qi (k4_table_bytes)
 };
 
 // 16 int32 in [-32767, 32767] -> 16 int16, in order (vpmovdw, from AVX2 packs).
@@ -266,9 +267,19 @@ inline void k4_table(const float* q, const float* cen, const float* scl, int64_t
 // k4_table's order (even channels, then odd).
 inline void k4_unpack(const int8_t* src, int64_t hd, int16_t* dst) {
   const int64_t half = hd / 2;  // a multiple of 16
-  const __m128i m = _mm_set1_epi8(0x0F), flip = _mm_set1_epi8(int8_t(0x88)), eight = _mm_set1_epi8(8);
-  for (int64_t i = 0; i < half; i += 16) {  // v = (nibble ^ 8) - 8
-    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)), flip);
+  int64_t i = 0;
+  for (; i + 32 <= half; i += 32) {  // v = (nibble ^ 8) - 8
+    const __m256i m = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    const __m256i b = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)),
+                                       _mm256_set1_epi8(int8_t(0x88)));
+    const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, m), eight);
+    const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m), eight);
+    _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(lo));
+    _mm512_storeu_si512(dst + half + i, _mm512_cvtepi8_epi16(hi));
+  }
+  if (i < half) {  // 16 bytes left
+    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)), _mm_set1_epi8(int8_t(0x88)));
     const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m), eight);
     const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m), eight);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_cvtepi8_epi16(lo));
@@ -283,14 +294,142 @@ inline __m512i k4_dot(const int16_t* k, const int16_t* qi, int64_t hd) {
   return acc;
 }
 
-// The 8 keys' sums of acc[0..8) (int32, exact in any order), lane t = key t.
-inline __m256i k4_sum8(const __m512i* acc) {
-  __m256i f[8];
-  for (int t = 0; t < 8; ++t)
-    f[t] = _mm256_add_epi32(_mm512_castsi512_si256(acc[t]), _mm512_extracti64x4_epi64(acc[t], 1));
-  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(f[0], f[1]), _mm256_hadd_epi32(f[2], f[3]));
-  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(f[4], f[5]), _mm256_hadd_epi32(f[6], f[7]));
+// The 8 keys' sums of a0 .. a7 (int32, exact in any order), lane t = key t.
+inline __m256i k4_sum8(__m512i a0, __m512i a1, __m512i a2, __m512i a3, __m512i a4, __m512i a5, __m512i a6,
+                       __m512i a7) {
+  auto f = [](__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); };
+  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(f(a0), f(a1)), _mm256_hadd_epi32(f(a2), f(a3)));
+  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(f(a4), f(a5)), _mm256_hadd_epi32(f(a6), f(a7)));
   return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+// The same scores 16 keys at a time for every pair of a block (k4_scores16): each key's row is
+// turned so a vector lane holds a key (the 16 keys' rows as 16 × 16 dword transposes, dword i of a
+// row holding channels 8i .. 8i + 7, two a byte), then per dword the low nibbles (channels 8i,
+// 8i + 2, 8i + 4, 8i + 6) and the high ones (8i + 1, ..) as unsigned bytes u = v + 8 meet four bytes
+// of the pair's table in one vpdpbusd (vpmaddubsw + vpmaddwd without VNNI: the same sums). With
+// qi = 256 · qh + ql + 128 (qh = qi >> 8, ql = (qi & 255) - 128, both int8): Σ v · qi =
+// 256 · Σ u · qh + Σ u · ql + 128 · Σ u - 8 · Σ qi, the very integer k4_dot8 sums, with no per-key
+// reduction, and one transpose shared by every pair.
+inline void k4_table_bytes(const int16_t* qi, int64_t hd, int8_t* qh, int8_t* ql, int32_t& corr) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < hd; c += 32) {
+    const __m512i v = _mm512_loadu_si512(qi + c);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qh + c), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    const __m512i lo = _mm512_sub_epi16(_mm512_and_si512(v, _mm512_set1_epi16(255)), _mm512_set1_epi16(128));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ql + c), _mm512_cvtepi16_epi8(lo));
+    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(v, _mm512_set1_epi16(1)));
+  }
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+  corr = 8 * _mm_cvtsi128_si32(x);
+}
+
+inline __m512i k4_quad_step(__m512i acc, __m512i u, __m512i q) {
+#ifdef QSPEC_Q8_VNNI
+  return _mm512_dpbusd_epi32(acc, u, q);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, q), _mm512_set1_epi16(1)));
+#endif
+}
+
+// tr[i · 16 + t] = dword i of rows[t] + off, i < 16 (a 16 × 16 transpose of 32-bit elements).
+inline void k4_transpose16(const int8_t* const* rows, int64_t off, int32_t* tr) {
+  auto ps = [](__m512i x) { return _mm512_castsi512_ps(x); };
+  auto si = [](__m512 x) { return _mm512_castps_si512(x); };
+  __m512i u[16];
+  for (int g = 0; g < 4; ++g) {  // rows 4g .. 4g + 3: u[4g + j] lane L = their elements 4L + j
+    const __m512i r0 = _mm512_loadu_si512(rows[4 * g] + off), r1 = _mm512_loadu_si512(rows[4 * g + 1] + off);
+    const __m512i r2 = _mm512_loadu_si512(rows[4 * g + 2] + off), r3 = _mm512_loadu_si512(rows[4 * g + 3] + off);
+    const __m512i t0 = _mm512_unpacklo_epi32(r0, r1), t1 = _mm512_unpackhi_epi32(r0, r1);
+    const __m512i t2 = _mm512_unpacklo_epi32(r2, r3), t3 = _mm512_unpackhi_epi32(r2, r3);
+    u[4 * g] = si(_mm512_shuffle_ps(ps(t0), ps(t2), 0x44));
+    u[4 * g + 1] = si(_mm512_shuffle_ps(ps(t0), ps(t2), 0xEE));
+    u[4 * g + 2] = si(_mm512_shuffle_ps(ps(t1), ps(t3), 0x44));
+    u[4 * g + 3] = si(_mm512_shuffle_ps(ps(t1), ps(t3), 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {  // elements j, 4 + j, 8 + j, 12 + j of every row
+    const __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), w2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    _mm512_store_si512(tr + j * 16, _mm512_shuffle_i32x4(v, v2, 0x88));
+    _mm512_store_si512(tr + (8 + j) * 16, _mm512_shuffle_i32x4(v, v2, 0xDD));
+    _mm512_store_si512(tr + (4 + j) * 16, _mm512_shuffle_i32x4(w, w2, 0x88));
+    _mm512_store_si512(tr + (12 + j) * 16, _mm512_shuffle_i32x4(w, w2, 0xDD));
+  }
+}
+
+struct K4Pair {  // one pair of a k4_scores16 call
+  const int8_t* qh;  // its table's bytes (k4_table_bytes), head_dim each
+  const int8_t* ql;
+  int32_t corr;
+  float delta, qc;
+  float* out;     // 16 scores
+  float* vmax;    // its running max (8 lanes)
+};
+
+// P pairs over nd dwords of transposed keys tr (hd = 8 · nd channels), with su = Σ u per key.
+template <int P>
+inline void k4_pairs16(const int32_t* tr, int64_t nd, __m512i su, float scale, const K4Pair* ps) {
+  const __m512i m = _mm512_set1_epi8(0x0F);
+  const int64_t half = 4 * nd;  // bytes of a table's even channels
+  __m512i sh[P], sl[P];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) sh[p] = sl[p] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < nd; ++i) {
+    const __m512i t = _mm512_load_si512(tr + i * 16);
+    const __m512i lo = _mm512_and_si512(t, m), hi = _mm512_and_si512(_mm512_srli_epi32(t, 4), m);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      int32_t a, b, c, d;
+      std::memcpy(&a, ps[p].qh + 4 * i, 4);
+      std::memcpy(&b, ps[p].qh + half + 4 * i, 4);
+      std::memcpy(&c, ps[p].ql + 4 * i, 4);
+      std::memcpy(&d, ps[p].ql + half + 4 * i, 4);
+      sh[p] = k4_quad_step(k4_quad_step(sh[p], lo, _mm512_set1_epi32(a)), hi, _mm512_set1_epi32(b));
+      sl[p] = k4_quad_step(k4_quad_step(sl[p], lo, _mm512_set1_epi32(c)), hi, _mm512_set1_epi32(d));
+    }
+  }
+  const __m512i su7 = _mm512_slli_epi32(su, 7);
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) {
+    const __m512i n = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh[p], 8), sl[p]), su7),
+                                       _mm512_set1_epi32(ps[p].corr));
+    const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(ps[p].delta), _mm512_set1_ps(ps[p].qc));
+    const __m512 s = _mm512_mul_ps(dot, _mm512_set1_ps(scale));
+    _mm512_storeu_ps(ps[p].out, s);
+    __m256 v = _mm256_max_ps(_mm256_loadu_ps(ps[p].vmax), _mm512_castps512_ps256(s));  // keys 0-7, then 8-15
+    v = _mm256_max_ps(v, _mm512_extractf32x8_ps(s, 1));
+    _mm256_storeu_ps(ps[p].vmax, v);
+  }
+}
+
+// 16 written keys of one group: rows[t] = key t's INT4 K bytes of this head (hd / 2, hd a multiple
+// of 128); the n pairs' scores and running maxima as k4_dot8 and q8_emit give them, in bits.
+inline void k4_scores16(const int8_t* const* rows, int64_t hd, const K4Pair* ps, int64_t n, float scale) {
+  alignas(64) int32_t tr[16 * 64];  // head_dim <= 512
+  const int64_t nd = hd / 8;
+  const __m512i m = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  __m512i su = _mm512_setzero_si512();
+  for (int64_t c = 0; c < nd; c += 16) {
+    k4_transpose16(rows, 4 * c, tr + c * 16);
+    for (int64_t i = c; i < c + 16; ++i) {  // two's complement nibbles v -> u = v + 8 = v ^ 8
+      const __m512i t = _mm512_xor_si512(_mm512_load_si512(tr + i * 16), _mm512_set1_epi8(int8_t(0x88)));
+      _mm512_store_si512(tr + i * 16, t);
+      su = k4_quad_step(su, _mm512_and_si512(t, m), ones);
+      su = k4_quad_step(su, _mm512_and_si512(_mm512_srli_epi32(t, 4), m), ones);
+    }
+  }
+  int64_t p = 0;
+  for (; p + 6 <= n; p += 6) k4_pairs16<6>(tr, nd, su, scale, ps + p);
+  switch (n - p) {
+    case 5: k4_pairs16<5>(tr, nd, su, scale, ps + p); break;
+    case 4: k4_pairs16<4>(tr, nd, su, scale, ps + p); break;
+    case 3: k4_pairs16<3>(tr, nd, su, scale, ps + p); break;
+    case 2: k4_pairs16<2>(tr, nd, su, scale, ps + p); break;
+    case 1: k4_pairs16<1>(tr, nd, su, scale, ps + p); break;
+  }
 }
 
 // K of logical keys [j0, j0 + nk) of query row `row`, KV head kvh, for k4_dot8: a written group's
@@ -509,7 +648,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   // scratch: FP32 K/V block | own keys | scores | V accumulators | the recent keys' V sums (in
   // the plain basis) | q | running max, then Σ;
   // int_k: unpacked K rows of the block and the tail (int16) | their groups | per pair a table
-  const int64_t k4_floats = int_k ? ((kb + tb) * hd + np * hd) / 2 + 2 * (kb + tb) + 8 * np + 16 : 0;
+  const int64_t k4_floats = int_k ? ((kb + tb) * hd + 2 * np * hd) / 2 + 2 * (kb + tb) + 8 * np + 16 : 0;
 #ifdef QSPEC_Q8_AMX
   const bool amx_v = a.kv.v_bits == 4;  // INT4 V on tiles (v4_btiles)
 #else
@@ -530,35 +669,48 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   float* stat = qs + np * hd;  // per pair 8 floats: running max (8 lanes), then {Σ, max}
   int16_t* kub = reinterpret_cast<int16_t*>(stat + np * 8);  // (kb + tb) rows of head_dim int16
   int64_t* kgrp = reinterpret_cast<int64_t*>(kub + (kb + tb) * hd);  // kb + tb
-  int16_t* qtab = reinterpret_cast<int16_t*>(kgrp + kb + tb);  // np rows of head_dim int16
+  int16_t* qtab = reinterpret_cast<int16_t*>(kgrp + kb + tb);  // np rows of head_dim int16, then per pair
+  // its table's bytes (k4_table_bytes: head_dim qh, head_dim ql)
   float* v4 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kvbuf + base_floats + k4_floats) + 63) &
                                        ~uintptr_t(63));  // amx_v's tiles, 64-byte aligned
 #ifdef QSPEC_Q8_AVX512
   static_assert(sizeof(K4Table) <= 8 * sizeof(float), "k4_floats: 8 floats a table");
-  K4Table* ktab = reinterpret_cast<K4Table*>(qtab + np * hd);  // np
+  int8_t* qbytes = reinterpret_cast<int8_t*>(qtab + np * hd);
+  K4Table* ktab = reinterpret_cast<K4Table*>(qbytes + 2 * np * hd);  // np
   for (int64_t u = 0; int_k && u < np; ++u) ktab[u] = K4Table{};
   alignas(64) float pcen[512], pscl[512];  // the params of group pg (k4_params)
   int64_t pg = -1;
+  auto table_for = [&](int64_t u, int64_t group) {  // pair u's table for this group (kept while it repeats)
+    K4Table& tab = ktab[u];
+    if (tab.group == group) return;
+    if (pg != group) k4_params(a, kvh, pg = group, pcen, pscl);
+    int16_t* qi = qtab + u * hd;
+    k4_table(qs + u * hd, pcen, pscl, hd, group, tab, qi);
+    k4_table_bytes(qi, hd, qbytes + 2 * u * hd, qbytes + 2 * u * hd + hd, tab.corr);
+  };
   // Lane t = the score (unscaled) of key t of the 8 at row t of the prepared block (k4_prepare)
   auto k4_dot8 = [&](int64_t u, const float* fb, const int16_t* ub, const int64_t* g) {
     K4Table& tab = ktab[u];
     int16_t* qi = qtab + u * hd;
-    auto table_for = [&](int64_t group) {  // pair u's table for this group (kept while it repeats)
-      if (tab.group == group) return;
-      if (pg != group) k4_params(a, kvh, pg = group, pcen, pscl);
-      k4_table(qs + u * hd, pcen, pscl, hd, group, tab, qi);
-    };
     bool one = g[0] >= 0;  // the usual block: 8 written keys of one group (a page)
     for (int t = 1; t < 8; ++t) one &= g[t] == g[0];
     if (one) {
-      table_for(g[0]);
-      __m512i acc[8];
-      for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_si512();
+      table_for(u, g[0]);
+      __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (int64_t c = 0; c < hd; c += 32) {
         const __m512i w = _mm512_loadu_si512(qi + c);
-        for (int t = 0; t < 8; ++t) acc[t] = k4_dot_step(acc[t], _mm512_loadu_si512(ub + t * hd + c), w);
+        const int16_t* k = ub + c;
+        a0 = k4_dot_step(a0, _mm512_loadu_si512(k), w);
+        a1 = k4_dot_step(a1, _mm512_loadu_si512(k + hd), w);
+        a2 = k4_dot_step(a2, _mm512_loadu_si512(k + 2 * hd), w);
+        a3 = k4_dot_step(a3, _mm512_loadu_si512(k + 3 * hd), w);
+        a4 = k4_dot_step(a4, _mm512_loadu_si512(k + 4 * hd), w);
+        a5 = k4_dot_step(a5, _mm512_loadu_si512(k + 5 * hd), w);
+        a6 = k4_dot_step(a6, _mm512_loadu_si512(k + 6 * hd), w);
+        a7 = k4_dot_step(a7, _mm512_loadu_si512(k + 7 * hd), w);
       }
-      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_sum8(acc)), _mm256_set1_ps(tab.delta), _mm256_set1_ps(tab.qc));
+      const __m256i sum = k4_sum8(a0, a1, a2, a3, a4, a5, a6, a7);
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(tab.delta), _mm256_set1_ps(tab.qc));
     }
     bool any_bf = false, any_int = false;
     for (int t = 0; t < 8; ++t) any_bf |= g[t] == -1, any_int |= g[t] >= 0;
@@ -574,12 +726,13 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         dl[t] = ql[t] = 0.f;
         continue;
       }
-      table_for(g[t]);
+      table_for(u, g[t]);
       acc[t] = k4_dot(ub + t * hd, qi, hd);
       dl[t] = tab.delta;
       ql[t] = tab.qc;
     }
-    const __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k4_sum8(acc)), _mm256_load_ps(dl), _mm256_load_ps(ql));
+    const __m256i sum = k4_sum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
+    const __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_load_ps(dl), _mm256_load_ps(ql));
     return any_bf ? _mm256_blendv_ps(r, fp, _mm256_load_ps(reinterpret_cast<const float*>(bf))) : r;
   };
 #endif
@@ -595,6 +748,38 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   auto live = [&](int64_t u) { return n_of(u) > kbeg && (kbeg < gap_of(u) || n_of(u) > lo_of(u)); };
   auto in_gap = [&](int64_t u, int64_t b0, int64_t e) { return b0 >= gap_of(u) && e <= lo_of(u); };
   auto rec_of = [&](int64_t u) { return attn_recent_lo(a, row_of(u)); };  // its BF16 keys from here
+#ifdef QSPEC_Q8_AVX512
+  // The shared keys [b0, b1) of a K block by k4_scores16 (the same bits as k4_dot8), when they are
+  // whole 16-key blocks of written groups and every pair that does not skip the block attends all
+  // of it (end_of(u) == b1); false, nothing computed, otherwise.
+  auto k4_block16 = [&](int64_t b0, int64_t b1, auto&& end_of, auto&& skips) {
+    if (!int_k || hd % 128 != 0 || b0 % 16 != 0 || (b1 - b0) % 16 != 0 || b1 - b0 > 32) return false;
+    for (int64_t u = 0; u < np; ++u)
+      if (!skips(u) && end_of(u) != b1) return false;
+    const int8_t* rows[32];
+    int64_t grp[2];
+    for (int64_t t = 0; t < b1 - b0; ++t) {
+      const int64_t slot = attn_key_slot(a, 0, b0 + t);
+      const int64_t g = a.kv.k_group_row(a.kv.slot(slot));
+      if (!a.kv.k_final[g] || (t % 16 != 0 && g != grp[t / 16])) return false;
+      grp[t / 16] = g;
+      rows[t] = a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2;
+    }
+    thread_local std::vector<K4Pair> ps;
+    for (int64_t h = 0; h < (b1 - b0) / 16; ++h) {
+      ps.clear();
+      for (int64_t u = 0; u < np; ++u) {
+        if (skips(u)) continue;
+        table_for(u, grp[h]);
+        const K4Table& tab = ktab[u];
+        ps.push_back({qbytes + 2 * u * hd, qbytes + 2 * u * hd + hd, tab.corr, tab.delta, tab.qc,
+                      scores + u * sc_stride + b0 + 16 * h, stat + u * 8});
+      }
+      k4_scores16(rows + 16 * h, hd, ps.data(), int64_t(ps.size()), a.scale);
+    }
+    return true;
+  };
+#endif
 
   const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) {
@@ -767,6 +952,9 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
         const int64_t hb = a.kv.q8_head_bytes(kv_index);
         for (int64_t x = 0; x < hb; x += 64) _mm_prefetch(row + kvh * hb + x, _MM_HINT_T0);
       }
+#ifdef QSPEC_Q8_AVX512
+      if (kv_index == 0 && k4_block16(b0, b1, end_of, skips)) continue;
+#endif
       load(0, b0, b1 - b0, q8_round8(b1 - b0), n_sh, kvbuf, kub, kgrp);
       for (int64_t u = 0; u < np; ++u)
         if (!skips(u)) run(u, kvbuf, kub, kgrp, b0, b0, end_of(u), accs);
