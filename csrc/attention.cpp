@@ -298,8 +298,9 @@ constexpr int64_t kAttnUnitPairsAmx = 384;
 // (merge_segments, same order: the same bits), and its q rows stay in cache from segment to
 // segment. With one segment per unit, the partials of all rows (m x heads x segments x
 // (head_dim + 2) floats: 1.6 GB for an 8k prompt of the 1.5B) went through memory and each
-// segment reloaded every unit's q. Below it (decode, verify, short chunks) the segments of a
-// unit's K/V are shared by consecutive units in cache, which matters more.
+// segment reloaded every unit's q. Below it such units are taken too when they spread evenly over
+// the threads (verify rows, tree rows, draft passes; chunk_units_pay), and one-segment units
+// otherwise, whose K/V segments consecutive units share in cache.
 constexpr int64_t kAttnChunkUnitRows = 256;
 
 // Whether segment s holds a key some row of [r0, r1) attends: a row reaches it, it is not wholly
@@ -315,6 +316,19 @@ bool segment_live(const AttnArgs& a, int64_t r0, int64_t r1, int64_t s) {
       if (s * S < n && attn_keys_kept(a, i, h, s * S, (s + 1) * S < n ? (s + 1) * S : n)) return true;
     }
   return !a.page_keep;
+}
+
+// Whether units of (KV head, row chunk) over all their segments (run_chunk_units) beat one-segment
+// units for a pass of `units` such units on nt threads: a long prompt's always; below
+// kAttnChunkUnitRows when they spread evenly over the threads, except one BF16 row. Qwen2.5-Coder-
+// 1.5B's shape at 8,192 keys on the model-167 AMX Xeon, 2 threads (a throwaway script, one layer's
+// call repeated, builds alternating twice): amx 9 rows 42-45 -> 33-34 ms a step, 16 rows 67-73 ->
+// 51-54; the MX draft row over the INT4 copy (sparse budget 2,048) amx 11.2-11.4 -> 9.9-10.2,
+// avx512 10.0-11.6 -> 8.8-9.4, avx2 10.1 -> 9.2; 9 BF16 rows avx512 88-89 -> 80-82, avx2 108 -> 103;
+// one BF16 row avx512 13.7 -> 14.6-14.9 (slower: kept on one-segment units), amx 14.1-15.1 -> 13.8-14.0.
+bool chunk_units_pay(const AttnArgs& a, int64_t units, int64_t nt) {
+  if (a.m >= kAttnChunkUnitRows) return true;
+  return (a.m > 1 || a.draft_q8) && (units % nt == 0 || units >= 4 * nt);
 }
 
 // Units of (KV head, row chunk) over all their segments (kAttnChunkUnitRows), the chunks with
@@ -380,7 +394,7 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a, int64_t unit_pairs = kAttnUn
   // 32-key block: Zen 3 AVX2, 2 threads, 12/2 heads of 128, 2,048 rows: 57 -> 119 GFLOP/s).
   const int64_t unit_rows = unit_pairs / group > 0 ? unit_pairs / group : 1;
   if ((a.m + unit_rows - 1) / unit_rows > chunks) chunks = (a.m + unit_rows - 1) / unit_rows;
-  if (a.m >= kAttnChunkUnitRows && max_seg > 1 && !a.tree && nt > 1) return run_chunk_units(fn, a, chunks);
+  if (max_seg > 1 && nt > 1 && chunk_units_pay(a, kvh * chunks, nt)) return run_chunk_units(fn, a, chunks);
   struct Unit {
     int64_t kvh, r0, r1, seg;
   };
