@@ -13,7 +13,8 @@
 //      over head_dim (d = 0, W, 2W, ..), folded to 8 lanes (AVX-512: low half + high half), then
 //      the fixed tree ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); · scale; lane-wise running max.
 //      The AVX-512 builds score a written INT4 K group's keys by integer dot products instead
-//      (k4_table: q · scale rounded to int16 once per pair and group);
+//      (k4_table: q · scale rounded to int16 once per pair and group), a block's shared keys 16
+//      at a time for all its pairs (k4_scores16) and other keys 8 at a time per pair (k4_dot8);
 //   2. exp(s - max), Σ as 8 lane-wise partial sums over the segment's 8-key blocks, fixed tree;
 //   3. per output column ONE FMA chain over the keys in order, then · (1/Σ) or the partial for
 //      the driver's in-order segment merge (INT4 V: the sums rotated back, after the merge). The
@@ -765,7 +766,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
       grp[t / 16] = g;
       rows[t] = a.kv.q8_row(a.layer, 0, slot) + kvh * hd / 2;
     }
-    thread_local std::vector<K4Pair> ps;
+    thread_local std::vector<K4Pair> ps;  // K4Pair has internal linkage: no instantiation shared with baseline code
     for (int64_t h = 0; h < (b1 - b0) / 16; ++h) {
       ps.clear();
       for (int64_t u = 0; u < np; ++u) {
