@@ -76,6 +76,7 @@
 #include "amx_tiles.h"
 #include "attention.h"
 #include "attention_avx512.h"
+#include "vec_avx512.h"
 
 namespace qspec {
 namespace {
@@ -111,32 +112,6 @@ inline void split2x32(const float* x, int64_t e, uint16_t* dst, int64_t part_str
   _mm512_storeu_si512(dst + part_stride, _mm512_permutex2var_epi16(n0, idx, n1));
 }
 
-// r[i] = row i of a 16 x 16 matrix of 32-bit values; afterwards r[i] = its column i.
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
-    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
-    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
-    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xDD);
-  }
-}
 
 // n BF16 values (one head's K row; a library memcpy of a run-time size costs a call per key).
 inline void copy_bf16(uint16_t* dst, const uint16_t* src, int64_t n) {
@@ -305,7 +280,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
           x0[pr] = _mm512_sub_ps(x0[pr], _mm512_castsi512_ps(h0));
           x1[pr] = _mm512_sub_ps(x1[pr], _mm512_castsi512_ps(h1));
         }
-        transpose16(r);
+        avx512::transpose16(r);
         uint16_t* dst = qb + ((b * nch + c) * kQParts + p) * kTileElems;
         for (int64_t rr = 0; rr < kTile; ++rr) _mm512_storeu_ps(reinterpret_cast<float*>(dst + rr * 2 * kTile), r[rr]);
       }
@@ -320,7 +295,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   auto extract = [&](const float* ct, int64_t jb, int64_t nkb, int64_t b, auto&& want) {
     __m512 r[kTile];  // Sᵀ[key][pair] -> per pair its 16 keys' scores
     for (int64_t t = 0; t < kTile; ++t) r[t] = _mm512_loadu_ps(ct + t * kTile);
-    transpose16(r);
+    avx512::transpose16(r);
     for (int64_t pr = 0; pr < kTile && b * kTile + pr < np; ++pr) {
       const int64_t u = b * kTile + pr;
       if (!want(u)) continue;

@@ -37,6 +37,9 @@
 
 #include "attention.h"
 #include "vec_avx2.h"
+#ifdef QSPEC_Q8_AVX512
+#include "vec_avx512.h"
+#endif
 #ifdef QSPEC_Q8_AMX
 #include "amx_tiles.h"
 #endif
@@ -336,29 +339,12 @@ inline __m512i k4_quad_step(__m512i acc, __m512i u, __m512i q) {
 #endif
 }
 
-// tr[i · 16 + t] = dword i of rows[t] + off, i < 16 (a 16 × 16 transpose of 32-bit elements).
+// tr[i · 16 + t] = dword i of rows[t] + off, i < 16.
 inline void k4_transpose16(const int8_t* const* rows, int64_t off, int32_t* tr) {
-  auto ps = [](__m512i x) { return _mm512_castsi512_ps(x); };
-  auto si = [](__m512 x) { return _mm512_castps_si512(x); };
-  __m512i u[16];
-  for (int g = 0; g < 4; ++g) {  // rows 4g .. 4g + 3: u[4g + j] lane L = their elements 4L + j
-    const __m512i r0 = _mm512_loadu_si512(rows[4 * g] + off), r1 = _mm512_loadu_si512(rows[4 * g + 1] + off);
-    const __m512i r2 = _mm512_loadu_si512(rows[4 * g + 2] + off), r3 = _mm512_loadu_si512(rows[4 * g + 3] + off);
-    const __m512i t0 = _mm512_unpacklo_epi32(r0, r1), t1 = _mm512_unpackhi_epi32(r0, r1);
-    const __m512i t2 = _mm512_unpacklo_epi32(r2, r3), t3 = _mm512_unpackhi_epi32(r2, r3);
-    u[4 * g] = si(_mm512_shuffle_ps(ps(t0), ps(t2), 0x44));
-    u[4 * g + 1] = si(_mm512_shuffle_ps(ps(t0), ps(t2), 0xEE));
-    u[4 * g + 2] = si(_mm512_shuffle_ps(ps(t1), ps(t3), 0x44));
-    u[4 * g + 3] = si(_mm512_shuffle_ps(ps(t1), ps(t3), 0xEE));
-  }
-  for (int j = 0; j < 4; ++j) {  // elements j, 4 + j, 8 + j, 12 + j of every row
-    const __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), w2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-    _mm512_store_si512(tr + j * 16, _mm512_shuffle_i32x4(v, v2, 0x88));
-    _mm512_store_si512(tr + (8 + j) * 16, _mm512_shuffle_i32x4(v, v2, 0xDD));
-    _mm512_store_si512(tr + (4 + j) * 16, _mm512_shuffle_i32x4(w, w2, 0x88));
-    _mm512_store_si512(tr + (12 + j) * 16, _mm512_shuffle_i32x4(w, w2, 0xDD));
-  }
+  __m512 r[16];
+  for (int t = 0; t < 16; ++t) r[t] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[t] + off));
+  avx512::transpose16(r);
+  for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(tr + i * 16), r[i]);
 }
 
 struct K4Pair {  // one pair of a k4_scores16 call

@@ -1,5 +1,5 @@
 // Vector helpers shared by the translation units compiled with AVX-512 flags (attention_avx512.cpp,
-// attention_amx.cpp, gemm_amx.cpp) only: `static inline`, so each keeps a private copy built with
+// attention_amx.cpp, gemm_amx.cpp, attention_q8_impl.h's AVX-512 builds) only: `static inline`, so each keeps a private copy built with
 // its own flags and none can be linked into baseline code.
 #pragma once
 #include <immintrin.h>
@@ -29,6 +29,33 @@ static inline __m512 exp(__m512 x) {
   const __m512i pow2n = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);  // n in [-126, 127]
   const __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(poly), pow2n));
   return _mm512_maskz_mov_ps(__mmask16(~tiny), y);
+}
+
+// r[i] = row i of a 16 x 16 matrix of 32-bit values; afterwards r[i] = its column i.
+static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xDD);
+  }
 }
 
 }  // namespace avx512
