@@ -667,13 +667,14 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   for (int64_t u = 0; int_k && u < np; ++u) ktab[u] = K4Table{};
   alignas(64) float pcen[512], pscl[512];  // the params of group pg (k4_params)
   int64_t pg = -1;
+  const bool k16 = int_k && hd % 128 == 0;  // k4_scores16 can score this head's K (its table's bytes)
   auto table_for = [&](int64_t u, int64_t group) {  // pair u's table for this group (kept while it repeats)
     K4Table& tab = ktab[u];
     if (tab.group == group) return;
     if (pg != group) k4_params(a, kvh, pg = group, pcen, pscl);
     int16_t* qi = qtab + u * hd;
     k4_table(qs + u * hd, pcen, pscl, hd, group, tab, qi);
-    k4_table_bytes(qi, hd, qbytes + 2 * u * hd, qbytes + 2 * u * hd + hd, tab.corr);
+    if (k16) k4_table_bytes(qi, hd, qbytes + 2 * u * hd, qbytes + 2 * u * hd + hd, tab.corr);
   };
   // Lane t = the score (unscaled) of key t of the 8 at row t of the prepared block (k4_prepare)
   auto k4_dot8 = [&](int64_t u, const float* fb, const int16_t* ub, const int64_t* g) {
@@ -740,7 +741,7 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   // whole 16-key blocks of written groups and every pair that does not skip the block attends all
   // of it (end_of(u) == b1); false, nothing computed, otherwise.
   auto k4_block16 = [&](int64_t b0, int64_t b1, auto&& end_of, auto&& skips) {
-    if (!int_k || hd % 128 != 0 || b0 % 16 != 0 || (b1 - b0) % 16 != 0 || b1 - b0 > 32) return false;
+    if (!k16 || b0 % 16 != 0 || (b1 - b0) % 16 != 0 || b1 - b0 > 32) return false;
     for (int64_t u = 0; u < np; ++u)
       if (!skips(u) && end_of(u) != b1) return false;
     const int8_t* rows[32];
