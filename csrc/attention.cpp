@@ -232,51 +232,57 @@ void run_ref(AttnRowHeadFn fn, const AttnArgs& a) {
                     Pool::instance().threads());
 }
 
-// Combines the segments of pair (row, head), p = attn_row_pos >= kAttnSegKeys, in order:
-//   M = max_s m_s,  w_s = exp(m_s - M),  out = (Σ_s w_s · A_s) / (Σ_s w_s · Σexp_s)
-// with every sum taken over s = 0, 1, .. in order. Depends only on the pair's own partials.
-void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, int64_t head,
-                    float* w) {
+// The segments of pair (row, head) that hold a partial, p = attn_row_pos >= kAttnSegKeys: those
+// below nseg = ceil((p + 1) / S) that are not below its window (segment 0 holds sinks when it has
+// them, sink_keys <= kAttnSegKeys) and whose keys the sparse draft attention keeps for its KV head.
+bool pair_has_partial(const AttnArgs& a, int64_t row, int64_t head, int64_t s) {
+  const int64_t p = attn_row_pos(a, row), S = kAttnSegKeys;
+  const int64_t s0 = attn_key_lo(a, row) / S;
+  if (s * S > p || (s < s0 && !(s == 0 && attn_gap_lo(a, row) > 0))) return false;
+  const int64_t kvh = head / (a.n_heads / a.kv.kv_heads);
+  return attn_keys_kept(a, row, kvh, s * S, (s + 1) * S < p + 1 ? (s + 1) * S : p + 1);
+}
+
+// A pair's segments are combined by one fold in segment order (online softmax over the partials):
+// st = {M, Σ, A[0 .. hd)} starts empty (M = -inf) and for each partial {m, l, V} in order 0, 1, ..
+//   M' = max(M, m),  a = exp(M - M'),  b = exp(m - M'),  Σ = Σ·a + l·b,  A = A·a + V·b
+// (the first one is taken as it is; an empty partial, m = -inf, is skipped); out = A · (1 / Σ).
+// It depends only on the pair's own partials and their order, so a unit that folds its pairs'
+// partials as it finishes each segment (run_chunk_units) and a merge after all units
+// (run_grouped) give the same bits, and neither needs all of a pair's partials at once.
+void fold_partial(float* st, const float* ps, int64_t hd) {
+  if (ps[0] == -INFINITY) return;
+  if (st[0] == -INFINITY) {
+    std::memcpy(st, ps, size_t(hd + 2) * 4);
+    return;
+  }
+  const float m = st[0] > ps[0] ? st[0] : ps[0];
+  const float wa = std::exp(st[0] - m), wb = std::exp(ps[0] - m);
+  st[0] = m;
+  st[1] = st[1] * wa + ps[1] * wb;
+  if (wa == 1.f) {  // the running max stands (the usual case): x · 1 is x, the same bits
+    for (int64_t c = 0; c < hd; ++c) st[2 + c] = st[2 + c] + ps[2 + c] * wb;
+    return;
+  }
+  for (int64_t c = 0; c < hd; ++c) st[2 + c] = st[2 + c] * wa + ps[2 + c] * wb;
+}
+
+void finish_pair(const AttnArgs& a, const float* st, int64_t row, int64_t head) {
   const int64_t hd = a.kv.head_dim;
-  const int64_t nseg = (attn_row_pos(a, row) + kAttnSegKeys) / kAttnSegKeys;  // ceil((p + 1) / S)
-  // Segments below a window have no partial, except segment 0 when it holds sinks (sink_keys
-  // <= kAttnSegKeys): the live ones are {0 if sinks} then s0 .. nseg - 1, in order.
-  const int64_t s0 = attn_key_lo(a, row) / kAttnSegKeys;
-  const bool sinks = s0 > 0 && attn_gap_lo(a, row) > 0;
-  // and segments whose keys the sparse draft attention drops have an empty partial, or none
-  const int64_t kvh = head / (a.n_heads / a.kv.kv_heads), p = attn_row_pos(a, row);
-  auto kept = [&](int64_t s) {
-    return attn_keys_kept(a, row, kvh, s * kAttnSegKeys, (s + 1) * kAttnSegKeys < p + 1 ? (s + 1) * kAttnSegKeys : p + 1);
-  };
-  auto next = [&](int64_t s) {
-    do s = sinks && s == 0 ? s0 : s + 1;
-    while (s < nseg && !kept(s));
-    return s;
-  };
-  const int64_t first = kept(sinks ? 0 : s0) ? (sinks ? 0 : s0) : next(sinks ? 0 : s0);
-  float big = -INFINITY;
-  for (int64_t s = first; s < nseg; s = next(s)) {
-    const float ms = part.at(a, row, head, s)[0];
-    if (ms > big) big = ms;
-  }
-  float den = 0.f;
-  for (int64_t s = first; s < nseg; s = next(s)) {
-    const float* ps = part.at(a, row, head, s);
-    w[s] = std::exp(ps[0] - big);
-    den += w[s] * ps[1];
-  }
   float* out = a.out + (row * a.n_heads + head) * hd;
-  const float* p0 = part.at(a, row, head, first) + 2;
-  for (int64_t c = 0; c < hd; ++c) out[c] = w[first] * p0[c];
-  for (int64_t s = next(first); s < nseg; s = next(s)) {
-    const float* ps = part.at(a, row, head, s) + 2;
-    const float ws = w[s];
-    for (int64_t c = 0; c < hd; ++c) out[c] += ws * ps[c];
-  }
-  const float inv = 1.f / den;
-  for (int64_t c = 0; c < hd; ++c) out[c] *= inv;
+  const float inv = 1.f / st[1];
+  for (int64_t c = 0; c < hd; ++c) out[c] = st[2 + c] * inv;
   // an INT4 V copy's partials are sums in its rotated basis (attention_q8_impl.h): back once here
   if (a.draft_q8 && a.kv.v_bits == 4) kv_unrotate(out, hd, kv_rot_size(hd));
+}
+
+// Folds every partial of pair (row, head) from `part`; st: head_dim + 2 floats of scratch.
+void merge_segments(const AttnArgs& a, const AttnPartials& part, int64_t row, int64_t head, float* st) {
+  st[0] = -INFINITY;
+  const int64_t nseg = (attn_row_pos(a, row) + kAttnSegKeys) / kAttnSegKeys;
+  for (int64_t s = 0; s < nseg; ++s)
+    if (pair_has_partial(a, row, head, s)) fold_partial(st, part.at(a, row, head, s), a.kv.head_dim);
+  finish_pair(a, st, row, head);
 }
 
 // Fast paths: a work unit is (KV head, contiguous range of rows, key segment); it covers all G
@@ -294,9 +300,9 @@ constexpr int64_t kAttnUnitPairs = 96;  // 16 rows of 6 heads per KV head measur
 // faster than 96 at 8,192 rows, 1.05x at 2,048.
 constexpr int64_t kAttnUnitPairsAmx = 384;
 // From this many rows (a long prompt's prefill) a unit is (KV head, row chunk) over all of its
-// segments instead of one: its partials live in per-thread scratch and it merges its own pairs
-// (merge_segments, same order: the same bits), and its q rows stay in cache from segment to
-// segment. With one segment per unit, the partials of all rows (m x heads x segments x
+// segments instead of one: it folds its pairs' partials as it finishes each segment
+// (fold_partial, the same order as merge_segments: the same bits), and its q rows stay in cache
+// from segment to segment. With one segment per unit, the partials of all rows (m x heads x segments x
 // (head_dim + 2) floats: 1.6 GB for an 8k prompt of the 1.5B) went through memory and each
 // segment reloaded every unit's q. Below it such units are taken too when they spread evenly over
 // the threads (verify rows, tree rows, draft passes; chunk_units_pay), and one-segment units
@@ -334,7 +340,7 @@ bool chunk_units_pay(const AttnArgs& a, int64_t units, int64_t nt) {
 // Units of (KV head, row chunk) over all their segments (kAttnChunkUnitRows), the chunks with
 // the most segments first.
 void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
-  const int64_t group = a.n_heads / a.kv.kv_heads, kvh = a.kv.kv_heads;
+  const int64_t group = a.n_heads / a.kv.kv_heads, kvh = a.kv.kv_heads, hd = a.kv.head_dim;
   const int64_t nt = Pool::instance().threads(), S = kAttnSegKeys;
   int64_t rows_max = 0, seg_max = 1;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -343,13 +349,14 @@ void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
     const int64_t segs = (attn_max_keys(a, r0, r1) + S - 1) / S;
     seg_max = segs > seg_max ? segs : seg_max;
   }
-  const int64_t slot_floats = rows_max * a.n_heads * seg_max * (a.kv.head_dim + 2);
+  // Per thread: one segment's partials of a unit's rows (the kernel's `part`) and the pairs' fold
+  // states (fold_partial), both rows x n_heads x (head_dim + 2) floats: a unit folds each segment
+  // as it finishes it, so its partials stay in cache (all its segments' partials at once were
+  // 12.8 MB a thread for an 8k prompt of the 1.5B, written and read back through memory).
+  const int64_t slot_floats = 2 * rows_max * a.n_heads * (hd + 2);
   thread_local std::vector<float> part_buf;  // a slot per thread (allocated here: workers never throw)
   if (part_buf.size() < size_t(slot_floats * nt)) part_buf.resize(size_t(slot_floats * nt));
-  thread_local std::vector<float> ws_buf;
-  if (ws_buf.size() < size_t(seg_max * nt)) ws_buf.resize(size_t(seg_max * nt));
   float* const parts = part_buf.data();
-  float* const wss = ws_buf.data();
   const auto t_region = ProfClock::now();
   std::atomic<int64_t> busy_ns{0};
   parallel_for(chunks * kvh, 1, [&](int slot, int64_t w0, int64_t w1) {
@@ -360,18 +367,26 @@ void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
       if (r0 == r1) continue;
       AttnPartials part;
       part.data = parts + slot * slot_floats;
-      part.max_seg = seg_max;
+      part.max_seg = 1;
       part.row0 = r0;
       part.unit_continues = false;
+      float* const states = part.data + slot_floats / 2;
+      auto state = [&](int64_t row, int64_t head) { return states + ((row - r0) * a.n_heads + head) * (hd + 2); };
+      for (int64_t row = r0; row < r1; ++row)
+        for (int64_t head = h * group; head < (h + 1) * group; ++head) state(row, head)[0] = -INFINITY;
       for (int64_t s = 0; s < seg_max; ++s)
         if (segment_live(a, r0, r1, s)) {
+          part.seg0 = s;
           fn(a, h, r0 * group, r1 * group, s, part);
           part.unit_continues = true;
+          for (int64_t row = r0; row < r1; ++row)
+            if (attn_row_pos(a, row) >= S)
+              for (int64_t head = h * group; head < (h + 1) * group; ++head)
+                if (pair_has_partial(a, row, head, s)) fold_partial(state(row, head), part.at(a, row, head, s), hd);
         }
       for (int64_t row = r0; row < r1; ++row)
         if (attn_row_pos(a, row) >= S)
-          for (int64_t head = h * group; head < (h + 1) * group; ++head)
-            merge_segments(a, part, row, head, wss + slot * seg_max);
+          for (int64_t head = h * group; head < (h + 1) * group; ++head) finish_pair(a, state(row, head), row, head);
     }
     busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
   });
@@ -434,9 +449,9 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a, int64_t unit_pairs = kAttnUn
   };
   if (nt <= 1 || (nu <= 1 && merged <= 1)) {
     for (int64_t w = 0; w < nu; ++w) run_unit(w);
-    std::vector<float> ws(max_seg);
+    std::vector<float> st(size_t(a.kv.head_dim + 2));
     for (int64_t x = 0; x < merged; ++x)
-      merge_segments(a, part, merge_row(x), x % a.n_heads, ws.data());
+      merge_segments(a, part, merge_row(x), x % a.n_heads, st.data());
     return;
   }
   // Two jobs: every unit is done before any pair is merged. Idle counts every configured
@@ -456,10 +471,10 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a, int64_t unit_pairs = kAttnUn
     const int64_t grain = (merged + 2 * nt - 1) / (2 * nt);
     parallel_for(merged, grain, [&](int, int64_t x0, int64_t x1) {
       const auto t_work = ProfClock::now();
-      thread_local std::vector<float> ws;
-      if (int64_t(ws.size()) < max_seg) ws.resize(max_seg);
+      thread_local std::vector<float> st;
+      if (int64_t(st.size()) < a.kv.head_dim + 2) st.resize(size_t(a.kv.head_dim + 2));
       for (int64_t x = x0; x < x1; ++x)
-        merge_segments(a, part, merge_row(x), x % a.n_heads, ws.data());
+        merge_segments(a, part, merge_row(x), x % a.n_heads, st.data());
       busy_ns.fetch_add(nanoseconds_between(t_work, ProfClock::now()), std::memory_order_relaxed);
     });
   }

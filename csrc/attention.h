@@ -326,8 +326,8 @@ void attn_row_head_ref(const AttnArgs& a, int64_t i, int64_t h, float* scratch);
 // [s · S, (s + 1) · S)); one call computes pairs [u_begin, u_end) of that KV head over segment
 // `seg` only (pairs whose position p lies before the segment are skipped). A pair with p < S
 // (a single segment) gets its final output written directly; otherwise the call writes the
-// segment's partial result (score max, Σ exp, unnormalized Σ exp · V) to `part`, and
-// attn_merge_segments() combines a pair's segments in order 0, 1, .. afterwards. The segment
+// segment's partial result (score max, Σ exp, unnormalized Σ exp · V) to `part`, and the
+// driver folds a pair's partials in segment order 0, 1, .. (attention.cpp). The segment
 // count of a pair depends only on its own p, so segments give the driver parallelism over keys
 // (decode: m = 1) without making any result depend on m or the thread count.
 //
@@ -349,16 +349,16 @@ inline int64_t attn_unit_keys(const AttnArgs& a, int64_t u0, int64_t u1, int64_t
 }
 
 struct AttnPartials {
-  // [rows from row0][n_heads][max_seg][head_dim + 2]: {max, Σ exp, Σ exp · V[0 .. head_dim)} per
-  // segment, V sums in natural column order.
+  // [rows from row0][n_heads][max_seg segments from seg0][head_dim + 2]: {max, Σ exp, Σ exp ·
+  // V[0 .. head_dim)} per segment, V sums in natural column order.
   float* data = nullptr;
   int64_t max_seg = 0;
-  int64_t row0 = 0;
+  int64_t row0 = 0, seg0 = 0;
   // True when this thread's previous call was the same unit's previous segment (run_chunk_units):
   // a kernel may keep per-unit work (the AMX kernel's q parts) in its thread scratch between them.
   bool unit_continues = false;
   float* at(const AttnArgs& a, int64_t row, int64_t head, int64_t seg) const {
-    return data + (((row - row0) * a.n_heads + head) * max_seg + seg) * (a.kv.head_dim + 2);
+    return data + (((row - row0) * a.n_heads + head) * max_seg + seg - seg0) * (a.kv.head_dim + 2);
   }
 };
 
