@@ -47,6 +47,10 @@
 namespace qspec {
 namespace {
 
+struct PairBounds {  // one pair of a q8_group call: attn_row_pos + 1 (n_full), attn_key_lo, attn_gap_lo, attn_recent_lo
+  int64_t row, head, n_full, lo, gap, rec;
+};
+
 struct Lanes8 {
   using V = __m256;
   static constexpr int W = 8;
@@ -725,17 +729,27 @@ void q8_group(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t se
   };
 #endif
 
-  auto row_of = [&](int64_t u) { return (u0 + u) / G; };
-  auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
-  auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };
-  auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };
+  // Per pair, once: its row and head, keys, window bounds and first recent key (the lambdas below
+  // run per key block and step; a division by G there cost as much as a step's arithmetic).
+  thread_local std::vector<PairBounds> bounds;  // PairBounds has internal linkage (K4Pair's note)
+  if (bounds.size() < size_t(np)) bounds.resize(size_t(np));
+  PairBounds* const pb = bounds.data();
+  for (int64_t u = 0; u < np; ++u) {
+    const int64_t row = (u0 + u) / G;
+    pb[u] = {row, kvh * G + (u0 + u) % G, attn_row_pos(a, row) + 1, attn_key_lo(a, row), attn_gap_lo(a, row),
+             attn_recent_lo(a, row)};
+  }
+  auto row_of = [pb](int64_t u) { return pb[u].row; };
+  auto head_of = [pb](int64_t u) { return pb[u].head; };
+  auto n_full = [pb](int64_t u) { return pb[u].n_full; };
+  auto n_of = [pb, kcap](int64_t u) { return pb[u].n_full < kcap ? pb[u].n_full : kcap; };
   // Keys [gap_of, lo_of) are not attended (a window, past the sinks); a pair is live in this
   // segment when it attends one of its keys, and skips the blocks inside its gap.
-  auto lo_of = [&](int64_t u) { return attn_key_lo(a, row_of(u)); };
-  auto gap_of = [&](int64_t u) { return attn_gap_lo(a, row_of(u)); };
+  auto lo_of = [pb](int64_t u) { return pb[u].lo; };
+  auto gap_of = [pb](int64_t u) { return pb[u].gap; };
   auto live = [&](int64_t u) { return n_of(u) > kbeg && (kbeg < gap_of(u) || n_of(u) > lo_of(u)); };
   auto in_gap = [&](int64_t u, int64_t b0, int64_t e) { return b0 >= gap_of(u) && e <= lo_of(u); };
-  auto rec_of = [&](int64_t u) { return attn_recent_lo(a, row_of(u)); };  // its BF16 keys from here
+  auto rec_of = [pb](int64_t u) { return pb[u].rec; };  // its BF16 keys from here
 #ifdef QSPEC_Q8_AVX512
   // The shared keys [b0, b1) of a K block by k4_scores16 (the same bits as k4_dot8), when they are
   // whole 16-key blocks of written groups and every pair that does not skip the block attends all
