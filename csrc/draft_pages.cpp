@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "attention.h"
@@ -41,7 +42,10 @@ void attn_select_pages(const AttnArgs& a, uint8_t* keep) {
   const int64_t G = a.n_heads / kvh_n;
   const int64_t budget = a.sparse_keys / P - 2;  // besides the first and the last page
   parallel_for(a.m * kvh_n, 1, [&](int, int64_t w0, int64_t w1) {
+    // per page its centers and 7 · scales (FP32); per (row, KV head) its heads' q and |q|
     std::vector<float> cen(static_cast<size_t>(hd)), scl(static_cast<size_t>(hd)), bound;
+    std::vector<float> qs(static_cast<size_t>(G * hd)), qa(static_cast<size_t>(G * hd));
+    std::vector<uint16_t> cbits(static_cast<size_t>(hd));
     std::vector<int64_t> order;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t i = w / kvh_n, kvh = w % kvh_n;
@@ -50,23 +54,25 @@ void attn_select_pages(const AttnArgs& a, uint8_t* keep) {
       const int64_t last = end / P - 1;  // pages first .. last - 1 may be dropped
       const int64_t lo_page = (attn_key_lo(a, i) + P - 1) / P, first = lo_page > 1 ? lo_page : 1;
       if (last - first <= budget) continue;
+      const float* q = a.q + (i * a.n_heads + kvh * G) * hd;  // the KV head's G query heads
+      for (int64_t c = 0; c < G * hd; ++c) qs[size_t(c)] = q[c], qa[size_t(c)] = std::fabs(q[c]);
       bound.assign(size_t(last), INFINITY);
       for (int64_t g = first; g < last; ++g) {
         const int64_t grow = a.kv.k_group_row(a.kv.slot(g * P));
         if (!a.kv.k_final[grow]) continue;  // BF16 K rows: kept
         const uint8_t* ph = a.kv.k_group_params(a.layer, grow) + kvh * 3 * hd;
-        for (int64_t c = 0; c < hd; ++c) {
-          cen[c] = bf16_to_f32(uint16_t(ph[2 * c] | ph[2 * c + 1] << 8));
-          scl[c] = scale7[ph[2 * hd + c]];
-        }
+        std::memcpy(cbits.data(), ph, size_t(hd) * 2);  // BF16 centers, little-endian
+        for (int64_t c = 0; c < hd; ++c) cen[size_t(c)] = bf16_to_f32(cbits[size_t(c)]);
+        for (int64_t c = 0; c < hd; ++c) scl[size_t(c)] = scale7[ph[2 * hd + c]];
         float best = -INFINITY;
         for (int64_t h = 0; h < G; ++h) {
-          const float* q = a.q + (i * a.n_heads + kvh * G + h) * hd;
+          const float* qh = qs.data() + h * hd;
+          const float* ah = qa.data() + h * hd;
           float acc[kLanes] = {};  // lane c % kLanes (head_dim is a multiple of kQ8Block), then a fixed tree
           for (int64_t c = 0; c < hd; c += kLanes)
-            for (int l = 0; l < kLanes; ++l) acc[l] += q[c + l] * cen[c + l] + std::fabs(q[c + l]) * scl[c + l];
-          for (int w = kLanes / 2; w > 0; w /= 2)
-            for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+            for (int l = 0; l < kLanes; ++l) acc[l] += qh[c + l] * cen[size_t(c + l)] + ah[c + l] * scl[size_t(c + l)];
+          for (int w2 = kLanes / 2; w2 > 0; w2 /= 2)
+            for (int l = 0; l < w2; ++l) acc[l] += acc[l + w2];
           best = acc[0] > best ? acc[0] : best;
         }
         if (std::isfinite(best)) bound[g] = best;
