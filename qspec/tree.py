@@ -208,8 +208,11 @@ def accept_sampled(t: Tree, kept: list[int], rows: np.ndarray, params: SamplingP
 class TreeCost:
     """Per step choices of the tree from measurements on this machine:
     - the shape: in mode auto, "chain" (today's chain, its own CostModel) or tree widths 2..cap,
-      each an arm whose tokens per second (EMA) is measured; the best arm is used and the others
-      are re-measured now and then, so where width does not pay the chain wins;
+      each an arm whose tokens per second is measured as decayed sums of its steps' tokens and
+      seconds (the evidence of every arm decays by DECAY a step, CostModel's memory: a rate
+      measured long ago, e.g. the chain's while its own K was still being explored, gives way to
+      the next trial); the best arm is used and the one tried least recently is re-measured
+      every PROBE_EVERY steps, so where width does not pay the chain wins;
     - the depth (greedy): another draft pass is made while the expected extra accepted tokens
       (calibration x sum of the frontier's path values; EAGLE-2: path value tracks acceptance)
       are worth its measured cost c(w) at the arm's measured rate;
@@ -218,6 +221,7 @@ class TreeCost:
     cal = EMA of accepted / predicted (the draft's confidence is not exactly its acceptance)."""
 
     PROBE_EVERY = 16
+    DECAY = CostModel.DECAY
 
     def __init__(self, params: TreeParams, chain_ok: bool):
         self.params = params
@@ -226,8 +230,11 @@ class TreeCost:
             self.arms = [wmax] if params.width is not None else list(range(2, max(2, wmax) + 1)) or [wmax]
         else:
             self.arms = (["chain"] if chain_ok else []) + list(range(2, wmax + 1))
-        self.rate: dict = {}
+        self.rate: dict = {}                     # arm -> tokens per second (tok / sec below)
+        self.tok: dict = {a: 0.0 for a in self.arms}
+        self.sec: dict = {a: 0.0 for a in self.arms}
         self.tries: dict = {a: 0 for a in self.arms}
+        self.last: dict = {a: 0 for a in self.arms}  # the step each arm was last tried
         self.steps = 0
         self.cal = 0.7
         self.c: dict[int, float] = {}          # draft pass seconds per frontier width
@@ -240,13 +247,18 @@ class TreeCost:
         if untried:
             return untried[0]
         if self.steps % self.PROBE_EVERY == 0:
-            return min(self.arms, key=lambda a: self.tries[a])
+            return min(self.arms, key=lambda a: self.last[a])
         return max(self.arms, key=lambda a: self.rate[a])
 
     def observe_arm(self, arm, tokens: int, seconds: float) -> None:
         self.tries[arm] += 1
-        r = tokens / max(seconds, 1e-9)
-        self.rate[arm] = r if arm not in self.rate else 0.8 * self.rate[arm] + 0.2 * r
+        self.last[arm] = self.steps
+        for a in self.arms:
+            self.tok[a] *= self.DECAY
+            self.sec[a] *= self.DECAY
+        self.tok[arm] += tokens
+        self.sec[arm] += max(seconds, 1e-9)
+        self.rate[arm] = self.tok[arm] / self.sec[arm]
 
     def keep_going(self, arm, frontier_values: list[float]) -> bool:
         w = len(frontier_values)

@@ -123,6 +123,24 @@ def test_cost_model_degenerates_to_chain_when_verify_is_steep():
     assert _trained(flat).arm() != "chain"
 
 
+def test_a_stale_arm_rate_gives_way_to_new_trials():
+    """The chain's first trials ran while its own K was still being explored (slow); later it is the
+    fastest arm: its probes must win it back within a few probes, not after its old rate has been
+    averaged away trial by trial."""
+    cost = TreeCost(TreeParams("auto", 2, 4), chain_ok=True)
+    rates = {"chain": 5.0, 2: 12.0}
+    chosen = []
+    for step in range(200):
+        if step == 20:
+            rates["chain"] = 15.0
+        arm = cost.arm()
+        chosen.append(arm)
+        cost.observe_arm(arm, rates[arm] * 0.4, 0.4)
+    assert chosen[:20].count(2) >= 14                  # the tree wins while the chain is slow
+    assert chosen[64:124].count("chain") >= 55          # and the chain within a few probes of its change
+    assert cost.rate["chain"] == pytest.approx(15.0, rel=0.05)
+
+
 def test_cost_model_chooses_n_from_the_verify_curve():
     m = Markov(10, seed=2, draft_noise=0.3)
     t = draft_tree(lambda toks, s, p: m.Q[toks], 0, 0, 3, 4, 10 ** 9)
