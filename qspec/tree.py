@@ -230,8 +230,7 @@ class TreeCost:
             self.arms = [wmax] if params.width is not None else list(range(2, max(2, wmax) + 1)) or [wmax]
         else:
             self.arms = (["chain"] if chain_ok else []) + list(range(2, wmax + 1))
-        self.rate: dict = {}                     # arm -> tokens per second (tok / sec below)
-        self.tok: dict = {a: 0.0 for a in self.arms}
+        self.tok: dict = {a: 0.0 for a in self.arms}  # decayed sums of each arm's tokens and seconds
         self.sec: dict = {a: 0.0 for a in self.arms}
         self.tries: dict = {a: 0 for a in self.arms}
         self.last: dict = {a: 0 for a in self.arms}  # the step each arm was last tried
@@ -248,7 +247,7 @@ class TreeCost:
             return untried[0]
         if self.steps % self.PROBE_EVERY == 0:
             return min(self.arms, key=lambda a: self.last[a])
-        return max(self.arms, key=lambda a: self.rate[a])
+        return max(self.arms, key=self.rate)
 
     def observe_arm(self, arm, tokens: int, seconds: float) -> None:
         self.tries[arm] += 1
@@ -258,13 +257,16 @@ class TreeCost:
             self.sec[a] *= self.DECAY
         self.tok[arm] += tokens
         self.sec[arm] += max(seconds, 1e-9)
-        self.rate[arm] = self.tok[arm] / self.sec[arm]
+
+    def rate(self, arm) -> float:
+        """The arm's tokens per second (tried at least once)."""
+        return self.tok[arm] / self.sec[arm]
 
     def keep_going(self, arm, frontier_values: list[float]) -> bool:
         w = len(frontier_values)
-        if w not in self.c or arm not in self.rate:
+        if w not in self.c or not self.tries[arm]:
             return True
-        return self.cal * sum(frontier_values) > self.rate[arm] * self.c[w]
+        return self.cal * sum(frontier_values) > self.rate(arm) * self.c[w]
 
     def observe_pass(self, w: int, seconds: float) -> None:
         self.c[w] = seconds if w not in self.c else 0.8 * self.c[w] + 0.2 * seconds

@@ -138,7 +138,7 @@ def test_a_stale_arm_rate_gives_way_to_new_trials():
         cost.observe_arm(arm, rates[arm] * 0.4, 0.4)
     assert chosen[:20].count(2) >= 14                  # the tree wins while the chain is slow
     assert chosen[64:124].count("chain") >= 55          # and the chain within a few probes of its change
-    assert cost.rate["chain"] == pytest.approx(15.0, rel=0.05)
+    assert cost.rate("chain") == pytest.approx(15.0, rel=0.05)
 
 
 def test_cost_model_chooses_n_from_the_verify_curve():

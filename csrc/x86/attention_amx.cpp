@@ -112,7 +112,6 @@ inline void split2x32(const float* x, int64_t e, uint16_t* dst, int64_t part_str
   _mm512_storeu_si512(dst + part_stride, _mm512_permutex2var_epi16(n0, idx, n1));
 }
 
-
 // n BF16 values (one head's K row; a library memcpy of a run-time size costs a call per key).
 inline void copy_bf16(uint16_t* dst, const uint16_t* src, int64_t n) {
   for (int64_t c = 0; c < n; c += 32) {
