@@ -220,8 +220,8 @@ def test_mxfp4_vnni_row_blocks_bad_value(n):
 
 def test_mxfp4_amx_scale_range(rng):
     """amx MXFP4 folds each block's scale into int8 weights relative to the output's largest
-    scale S: blocks up to 3 binades below S are exact, 4-6 rounded to the nearest integer (ties to
-    even), 7 or more drop out (never wrap into garbage), also 200 binades down; a NaN scale (0xFF)
+    scale S: blocks up to 3 binades below S are exact, 4 or more drop out (never wrap into
+    garbage), also 200 binades down; a NaN scale (0xFF)
     makes its column NaN, a NaN or infinite x its row."""
     n, k = 48, 256
     codes, scales = random_mx(rng, "mxfp4", n, k, scale_lo=60, scale_hi=200)
@@ -405,10 +405,10 @@ def amx_x_values(x):
 
 def amx_mxfp4_oracle(x, codes, scales, k):
     """(y, sum of |terms|) of the amx MXFP4 arithmetic in float64: per output S = largest block
-    scale, d = S - e, weight rne(e2m1 * 2^(4 - d)) for d < 7 (else 0) times 2^(S - 131)."""
+    scale, d = S - e, weight e2m1 * 2^(4 - d) (an integer) for d < 4 (else 0) times 2^(S - 131)."""
     big = scales.max(axis=1).astype(np.int64)
-    d = np.repeat(np.minimum(big[:, None] - scales.astype(np.int64), 7), 32, axis=1)
-    wi = np.where(d < 7, np.round(np.ldexp(decode_table("mxfp4")[codes], 4 - d)), 0.0)[:, :k]
+    d = np.repeat(np.minimum(big[:, None] - scales.astype(np.int64), 4), 32, axis=1)
+    wi = np.where(d < 4, np.ldexp(decode_table("mxfp4")[codes], 4 - d), 0.0)[:, :k]
     wq = wi * np.where(big == 255, np.nan, np.ldexp(1.0, big - 131))[:, None]
     xv = amx_x_values(x)
     return xv @ wq.T, np.abs(xv) @ np.abs(wq).T

@@ -5,14 +5,15 @@
 // the largest E8M0 scale of output n over all of K and d = S_n - e the binades a block lies below
 // it; then w = e2m1 * 2^(e - 127) = (e2m1 * 2^(4 - d)) * 2^(S_n - 131), and e2m1 * 2^(4 - d) is
 // an integer in [-96, 96] for d <= 3: 99.9% of the blocks of real checkpoints (Qwen2.5-Coder-1.5B
-// cast to MXFP4: d = 0 36%, 1 57%, 2 7%, 3 0.4%, 4+ 0.09%). Blocks with d = 4..6 are rounded to
-// the nearest integer (ties to even), blocks 7 or more binades down drop out. The per-output
-// factor 2^(S_n - 131) is applied once, to the int32 C tile, after the whole K.
+// cast to MXFP4: d = 0 36%, 1 57%, 2 7%, 3 0.4%, 4+ 0.09%). Blocks 4 or more binades down drop
+// out (each of their weights is below 2^-3 of the output's largest scale unit; rounding them to
+// integers kept at most 3 bits of them). The per-output factor 2^(S_n - 131) is applied once, to
+// the int32 C tile, after the whole K.
 //
 // Decode, per slab of 64 weights (16 outputs x 4 k: exactly one row of a TDPBSSD B tile, bytes
 // 4n + c): a broadcast load, a vpsrlvw (high nibbles of outputs 8-15 down), a vpternlogd that
-// keeps the code and ors in d << 4 (min(d, 7): 7 is the all-zero table), and a vpermi2b through
-// a 128-entry table of e2m1 * 2^(4 - d): 3 ALU ops per 64 weights, once per pass whatever M is.
+// keeps the code and ors in d << 4, and a vpermb through a 64-entry table of e2m1 * 2^(4 - d),
+// its dropped blocks' bytes masked: 3 ALU ops per 64 weights, once per pass whatever M is.
 //
 // x is quantized once per pass, per row, in two int8 parts: u = x * 127 / max|x|, hi = rne(u),
 // lo = rne((u - hi) * 128), so x = (hi + lo / 128) * max|x| / 127 within max|x| * 2^-8 / 127
@@ -40,7 +41,7 @@ namespace {
 
 constexpr int kTileK = 64;               // k per TDPBSSD: 16 B rows of 4 k
 constexpr int kBTileBytes = 16 * 64;     // one B tile
-constexpr int kDropBinades = 7;          // d >= 7: the block drops out (all-zero table)
+constexpr int kDropBinades = 4;          // d >= 4: the block drops out (its bytes masked to 0)
 constexpr int kBias = 96;                // |weight| <= 96: + 96 makes the vpdpbusd operand unsigned
 constexpr int kVnniRows = 2;             // rows <= this: vpdpbusd (q4_vnni), more: tiles (q4_rows)
 
@@ -56,50 +57,55 @@ void configure_tiles(int rows) {
   amx::load_tile_config(cfg);
 }
 
-// The decoder's constants: the 128-byte table (index d << 4 | code), the per-word nibble shifts
-// (words 16-31 = outputs 8-15 take the high nibbles) and the vpermb index that repeats byte n
-// of a 16-byte vector at bytes 4n..4n+3.
+// The decoder's constants: the 64-byte tables (index d << 4 | code, d <= 3), the per-word nibble
+// shifts (words 16-31 = outputs 8-15 take the high nibbles) and the vpermb index that repeats byte
+// n of a 16-byte vector at bytes 4n..4n+3.
 struct Decoder {
-  __m512i tab_lo, tab_hi, shifts, rep4;
-  __m512i utab_lo, utab_hi;  // the same values + kBias, as unsigned bytes (the vpdpbusd operand)
+  __m512i tab, shifts, rep4;
+  __m512i utab;  // the same values + kBias, as unsigned bytes (the vpdpbusd operand)
   Decoder() {
-    alignas(64) int8_t tab[128];
-    static const float kE2M1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    for (int d = 0; d < 8; ++d)
+    alignas(64) int8_t t[64];
+    alignas(64) uint8_t u[64];
+    static const int kE2M1x2[8] = {0, 1, 2, 3, 4, 6, 8, 12};  // e2m1 * 2
+    for (int d = 0; d < kDropBinades; ++d)
       for (int c = 0; c < 16; ++c) {
-        const float v = d < kDropBinades ? std::nearbyint(std::ldexp(kE2M1[c & 7], 4 - d)) : 0.f;  // ties to even
-        tab[16 * d + c] = int8_t(c & 8 ? -v : v);
+        const int v = (kE2M1x2[c & 7] << 3) >> d;  // e2m1 * 2^(4 - d): exact for d <= 3
+        t[16 * d + c] = int8_t(c & 8 ? -v : v);
+        u[16 * d + c] = uint8_t(t[16 * d + c] + kBias);
       }
     alignas(64) uint16_t sh[32];
     for (int i = 0; i < 32; ++i) sh[i] = i < 16 ? 0 : 4;
     alignas(64) uint8_t rep[64];
     for (int i = 0; i < 64; ++i) rep[i] = uint8_t(i / 4);
-    tab_lo = _mm512_load_si512(tab);
-    tab_hi = _mm512_load_si512(tab + 64);
-    alignas(64) uint8_t utab[128];
-    for (int i = 0; i < 128; ++i) utab[i] = uint8_t(tab[i] + kBias);
-    utab_lo = _mm512_load_si512(utab);
-    utab_hi = _mm512_load_si512(utab + 64);
+    tab = _mm512_load_si512(t);
+    utab = _mm512_load_si512(u);
     shifts = _mm512_load_si512(sh);
     rep4 = _mm512_load_si512(rep);
   }
 };
 
-// One MX block of a row block: per byte 4n + c of a slab, min(S_n - e_n, 7) << 4.
-inline __m512i block_bits(const Decoder& dc, const uint8_t* smax, const uint8_t* e) {
-  __m128i d = _mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(smax)),
-                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
-  d = _mm_slli_epi16(_mm_min_epu8(d, _mm_set1_epi8(kDropBinades)), 4);  // <= 0x70: no carry across bytes
-  return _mm512_permutexvar_epi8(dc.rep4, _mm512_castsi128_si512(d));
+// One MX block of a row block, per byte 4n + c of a slab: (S_n - e_n) << 4 where that is <= 3
+// binades, and the bytes whose block drops out (keep clear).
+struct BlockBits {
+  __m512i bits;
+  __mmask64 keep;
+};
+inline BlockBits block_bits(const Decoder& dc, const uint8_t* smax, const uint8_t* e) {
+  const __m128i d = _mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(smax)),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
+  const __m512i d4 = _mm512_permutexvar_epi8(dc.rep4, _mm512_castsi128_si512(d));
+  return {_mm512_slli_epi16(_mm512_and_si512(d4, _mm512_set1_epi8(kDropBinades - 1)), 4),  // <= 0x30: no carry
+          _mm512_cmplt_epu8_mask(d4, _mm512_set1_epi8(kDropBinades))};
 }
 
-// One 32-byte slab -> its 64 weights (16 outputs x 4 k, byte 4n + c) through the table lo | hi:
-// one row of a TDPBSSD B tile (signed table), or one vpdpbusd operand (biased table).
-inline __m512i decode_slab(const Decoder& dc, const uint8_t* p, __m512i bits, __m512i lo, __m512i hi) {
+// One 32-byte slab -> its 64 weights (16 outputs x 4 k, byte 4n + c) through a table: one row of
+// a TDPBSSD B tile (tab, a dropped block 0) or one vpdpbusd operand (utab, a dropped block kBias).
+// A single-register vpermb: the 128-entry two-register vpermi2b costs twice its issue slots.
+inline __m512i decode_slab(const Decoder& dc, const uint8_t* p, const BlockBits& bb, __m512i table, __m512i zero) {
   __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   v = _mm512_srlv_epi16(v, dc.shifts);
-  v = _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(0x0F), bits, 0xEA);  // (v & 0x0F) | bits
-  return _mm512_permutex2var_epi8(lo, v, hi);
+  v = _mm512_ternarylogic_epi32(v, _mm512_set1_epi8(0x0F), bb.bits, 0xEA);  // (v & 0x0F) | bits
+  return _mm512_mask_permutexvar_epi8(zero, bb.keep, v, table);
 }
 
 // S_n: each output's largest scale over K, for row blocks nb .. nb + nbn - 1.
@@ -141,8 +147,8 @@ inline void decode_tile(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_
     _mm_prefetch(pf + 64, _MM_HINT_T0);
     _mm_prefetch(pf + 128, _MM_HINT_T0);
     _mm_prefetch(pf + 192, _MM_HINT_T0);
-    const __m512i bits = block_bits(dc, smax, a.scales + (nb * kb + b) * kRows);
-    for (int g = 0; g < 8; ++g) _mm512_store_si512(o + g * 64, decode_slab(dc, w + 32 * g, bits, dc.tab_lo, dc.tab_hi));
+    const BlockBits bb = block_bits(dc, smax, a.scales + (nb * kb + b) * kRows);
+    for (int g = 0; g < 8; ++g) _mm512_store_si512(o + g * 64, decode_slab(dc, w + 32 * g, bb, dc.tab, _mm512_setzero_si512()));
   }
 }
 
@@ -164,9 +170,13 @@ void q4_rows(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1, int
       _tile_zero(2);
       _tile_zero(3);
     }
+    for (int j = 0; j < nbn; ++j) decode_tile(a, dc, nb + j, 0, smax[j], bbuf[0][j]);
     for (int64_t t = 0; t < kt; ++t) {
+      // decode K tile t + 1 before the tiles read K tile t: a tile load does not take data from
+      // the store buffer, so the B tile it reads must be stored an iteration earlier
+      if (t + 1 < kt)
+        for (int j = 0; j < nbn; ++j) decode_tile(a, dc, nb + j, t + 1, smax[j], bbuf[(t + 1) & 1][j]);
       int8_t(*bt)[kBTileBytes] = bbuf[t & 1];
-      for (int j = 0; j < nbn; ++j) decode_tile(a, dc, nb + j, t, smax[j], bt[j]);
       _tile_loadd(4, ahi + t * kTileK, a.kq);
       _tile_loadd(5, alo + t * kTileK, a.kq);
       _tile_loadd(6, bt[0], 64);
@@ -188,6 +198,57 @@ void q4_rows(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1, int
       }
       for (int r = 0; r < rows; ++r)
         store_row(a, m0 + r, nb + j, smax[j], _mm512_load_si512(chi + 16 * r), _mm512_load_si512(clo + 16 * r));
+    }
+  }
+}
+
+// All rows (3 <= m <= 8) x row blocks [nb0, nb1), kStackBlocks row blocks at a time, all K. The
+// two int8 parts of the m rows are 2m consecutive rows of xi8 (quantize_x_i8x2), so one A tile
+// of 2m rows holds both and one TDPBSSD per row block and K tile gives C rows 0..m-1 (hi) and
+// m..2m-1 (lo): half the tile instructions of q4_rows, the same integer sums (the same bits).
+// Tiles 0..2: C of block j; 3: A; 4..6: B of block j.
+constexpr int kStackBlocks = 3;
+void q4_stacked(const GemmArgs& a, const Decoder& dc, int64_t nb0, int64_t nb1) {
+  const int rows = int(a.m);
+  amx::TileConfig cfg = amx::tile_config();
+  for (int t = 0; t < 7; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = uint8_t(t <= kStackBlocks ? 2 * rows : 16);
+  }
+  amx::load_tile_config(cfg);
+  const int64_t kt = a.kq / kTileK;
+  alignas(64) int8_t bbuf[2][kStackBlocks][kBTileBytes];
+  alignas(64) int32_t c[16 * 16];
+  alignas(16) uint8_t smax[kStackBlocks][16];
+  for (int64_t nb = nb0; nb < nb1; nb += kStackBlocks) {
+    const int nbn = nb1 - nb < kStackBlocks ? int(nb1 - nb) : kStackBlocks;
+    column_maxima(a, nb, nbn, smax);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int j = 0; j < nbn; ++j) decode_tile(a, dc, nb + j, 0, smax[j], bbuf[0][j]);
+    for (int64_t t = 0; t < kt; ++t) {
+      if (t + 1 < kt)
+        for (int j = 0; j < nbn; ++j) decode_tile(a, dc, nb + j, t + 1, smax[j], bbuf[(t + 1) & 1][j]);
+      int8_t(*bt)[kBTileBytes] = bbuf[t & 1];
+      _tile_loadd(3, a.xi8 + t * kTileK, a.kq);
+      _tile_loadd(4, bt[0], 64);
+      _tile_dpbssd(0, 3, 4);
+      if (nbn > 1) {
+        _tile_loadd(5, bt[1], 64);
+        _tile_dpbssd(1, 3, 5);
+      }
+      if (nbn > 2) {
+        _tile_loadd(6, bt[2], 64);
+        _tile_dpbssd(2, 3, 6);
+      }
+    }
+    for (int j = 0; j < nbn; ++j) {
+      if (j == 0) _tile_stored(0, c, 64);
+      if (j == 1) _tile_stored(1, c, 64);
+      if (j == 2) _tile_stored(2, c, 64);
+      for (int r = 0; r < rows; ++r)
+        store_row(a, r, nb + j, smax[j], _mm512_load_si512(c + 16 * r), _mm512_load_si512(c + 16 * (rows + r)));
     }
   }
 }
@@ -214,14 +275,14 @@ void q4_vnni(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_t m0) {
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) hi[i][j] = lo[i][j] = _mm512_setzero_si512();
   for (int64_t b = 0; b < kb; ++b) {
-    __m512i bits[NB];
-    for (int j = 0; j < NB; ++j) bits[j] = block_bits(dc, smax[j], a.scales + ((nb + j) * kb + b) * kRows);
+    BlockBits bb[NB];
+    for (int j = 0; j < NB; ++j) bb[j] = block_bits(dc, smax[j], a.scales + ((nb + j) * kb + b) * kRows);
     for (int g = 0; g < 8; ++g) {
       const int64_t slab = b * 8 + g;
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) {
         if (g % 2 == 0) _mm_prefetch(stream_ahead(w[j], slab * 32, 2048, block_bytes, NB * block_bytes), _MM_HINT_T0);
-        wv[j] = decode_slab(dc, w[j] + slab * 32, bits[j], dc.utab_lo, dc.utab_hi);
+        wv[j] = decode_slab(dc, w[j] + slab * 32, bb[j], dc.utab, _mm512_set1_epi8(kBias));
       }
       for (int i = 0; i < MB; ++i) {
         int32_t qh, ql;
@@ -311,7 +372,10 @@ void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* /*ac
     }
     return;
   }
-  for (int64_t m0 = 0; m0 < a.m; m0 += 16) q4_rows(a, dc, nb0, nb1, m0, int(a.m - m0 < 16 ? a.m - m0 : 16));
+  if (2 * a.m <= 16)
+    q4_stacked(a, dc, nb0, nb1);
+  else
+    for (int64_t m0 = 0; m0 < a.m; m0 += 16) q4_rows(a, dc, nb0, nb1, m0, int(a.m - m0 < 16 ? a.m - m0 : 16));
   _tile_release();
 }
 
