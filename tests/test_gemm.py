@@ -220,8 +220,8 @@ def test_mxfp4_vnni_row_blocks_bad_value(n):
 
 def test_mxfp4_amx_scale_range(rng):
     """amx MXFP4 folds each block's scale into int8 weights relative to the output's largest
-    scale S: blocks up to 3 binades below S are exact, 4 or more drop out (never wrap into
-    garbage), also 200 binades down; a NaN scale (0xFF)
+    scale S: blocks up to 3 binades below S are exact, 4-6 rounded to the nearest integer (ties to
+    even), 7 or more drop out (never wrap into garbage), also 200 binades down; a NaN scale (0xFF)
     makes its column NaN, a NaN or infinite x its row."""
     n, k = 48, 256
     codes, scales = random_mx(rng, "mxfp4", n, k, scale_lo=60, scale_hi=200)
@@ -248,6 +248,31 @@ def test_mxfp4_amx_scale_range(rng):
     x[1, 7], x[2, 9] = np.nan, np.inf
     y = _C.gemm(pw, x, path="amx")
     assert np.isnan(y[1:]).all() and np.isfinite(np.delete(y[0], 2)).all()
+
+
+def test_mxfp4_amx_decode_tables(rng):
+    """amx MXFP4 decodes a block whose 16 outputs all lie within 3 binades of their largest scale
+    through a 64-entry table, any other through the 128-entry one: row blocks of real-checkpoint
+    scales (every block within 3 binades), one block per row block with a single output 4-6
+    binades down (rounded), and one row block with an output 7+ down, all against the oracle at
+    every kernel (vpdpbusd up to 2 rows, stacked tiles up to 8, two tiles per part from 9)."""
+    n, k = 64, 320
+    codes, scales = random_mx(rng, "mxfp4", n, k, scale_lo=124, scale_hi=128)
+    scales[16:32, 0] = 127
+    scales[20, 0] = 122                          # row block 1, block 0: output 4 five binades down
+    scales[32:48, 3] = 127
+    scales[40, 3] = 119                          # row block 2, block 3: eight down, drops out
+    pw = _C.pack_mx("mxfp4", codes, scales, k)
+    if "amx" not in _C.gemm_paths(pw, 1):
+        pytest.skip("no amx level here")
+    w = dequant("mxfp4", codes, scales, k).view(Dense)
+    w.mx = (codes, scales)
+    for m in (1, 2, 3, 8, 9, 16):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = _C.gemm(pw, x, path="amx")
+        assert_mxfp4_amx(y, x, w)
+        exact = amx_x_values(x) @ w[:16].T  # row block 0: every block exact, only x's rounding
+        np.testing.assert_allclose(y[:, :16], exact, rtol=1e-6, atol=1e-30)
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
@@ -405,10 +430,10 @@ def amx_x_values(x):
 
 def amx_mxfp4_oracle(x, codes, scales, k):
     """(y, sum of |terms|) of the amx MXFP4 arithmetic in float64: per output S = largest block
-    scale, d = S - e, weight e2m1 * 2^(4 - d) (an integer) for d < 4 (else 0) times 2^(S - 131)."""
+    scale, d = S - e, weight rne(e2m1 * 2^(4 - d)) for d < 7 (else 0) times 2^(S - 131)."""
     big = scales.max(axis=1).astype(np.int64)
-    d = np.repeat(np.minimum(big[:, None] - scales.astype(np.int64), 4), 32, axis=1)
-    wi = np.where(d < 4, np.ldexp(decode_table("mxfp4")[codes], 4 - d), 0.0)[:, :k]
+    d = np.repeat(np.minimum(big[:, None] - scales.astype(np.int64), 7), 32, axis=1)
+    wi = np.where(d < 7, np.round(np.ldexp(decode_table("mxfp4")[codes], 4 - d)), 0.0)[:, :k]
     wq = wi * np.where(big == 255, np.nan, np.ldexp(1.0, big - 131))[:, None]
     xv = amx_x_values(x)
     return xv @ wq.T, np.abs(xv) @ np.abs(wq).T
