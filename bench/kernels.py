@@ -3,7 +3,11 @@ interleaved): `python -m bench.kernels [--threads N] [--model NAME|DIR] [--quick
 
 Weights are SYNTHETIC (random) in the real shapes of SmolLM2-135M, Llama-3.2-1B and
 Llama-3-8B, or with --model in the GEMM shapes of that model's config.json (fused qkv, o,
-fused gate_up, down, lm_head): they measure speed only. Each case rotates through enough copies
+fused gate_up, down, lm_head): they measure speed only. `--real-weights` (with --model) takes the
+model's own middle layer and LM head instead (MX formats as their direct cast, the draft's): the
+amx MXFP4 path's decode depends on how a row block's block scales spread (a block with an output
+4+ binades below its largest takes a slower table), and the synthetic scales (uniform over 8
+binades) spread far wider than a real cast's. Each case rotates through enough copies
 of the weight to exceed the last-level cache, so bytes really come from DRAM (as in decoding).
   gbps      = (packed weight bytes incl. scales + x + y) / median time
   pct_of_bw = per round of the case (every path and torch once), gbps / the floor of that round
@@ -67,6 +71,31 @@ def synthetic_weight(rng, fmt: str, n: int, k: int, wbits: np.ndarray):
     return _C.pack_mx(fmt, codes, scales, k)
 
 
+def cast_weight(fmt: str, w: np.ndarray):
+    """Packed weight of a real BF16 matrix (bits [n, k] uint16): as is, or its MX direct cast
+    (the draft's own cast, so the scales spread as a real draft's do)."""
+    if fmt == "bf16":
+        return _C.pack_bf16(w)
+    codes, scales = _C.mx_quantize((w.astype(np.uint32) << 16).view(np.float32), fmt)
+    return _C.pack_mx(fmt, codes, scales, w.shape[1])
+
+
+def model_weights(model: str) -> dict[str, np.ndarray]:
+    """BF16 bits of the middle layer's GEMMs (and the LM head) of a model, by model_shapes' layer
+    names: fused qkv and gate_up as the native model packs them (--real-weights)."""
+    from qspec.config import ModelConfig
+    from qspec.fetch import resolve_model
+    from qspec.loader import load_weights
+
+    d = resolve_model(model)
+    cfg = ModelConfig.from_file(d / "config.json")
+    w = load_weights(d, cfg)
+    lw = w.layers[cfg.n_layers // 2]
+    bits = lambda *ts: torch.cat(ts).contiguous().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+    return {"qkv": bits(lw.wq, lw.wk, lw.wv), "o": bits(lw.wo), "gate_up": bits(lw.w_gate, lw.w_up),
+            "down": bits(lw.w_down), "lm_head": bits(w.lm_head)}
+
+
 def model_shapes(model: str) -> tuple[str, list[tuple[str, int, int]]]:
     """(label, [(layer, N, K)]) of a model's GEMMs, from its config.json (--model NAME|DIR);
     records the layer count in LAYERS for the whole-model summary."""
@@ -89,7 +118,8 @@ def model_shapes(model: str) -> tuple[str, list[tuple[str, int, int]]]:
 
 def run(args) -> list[dict]:
     threads = setup(args)
-    ctx = print_header(args, "GEMM kernels vs the bandwidth floor and torch F.linear (synthetic weights)")
+    ctx = print_header(args, "GEMM kernels vs the bandwidth floor and torch F.linear ("
+                       + ("the model's own weights)" if args.real_weights else "synthetic weights)"))
     rng = np.random.default_rng(0)
     cases = [(mdl, lay, n, k) for mdl, layers in MODELS.items() for lay, n, k in layers
              if (not args.quick or (mdl, lay) in QUICK) and (not args.models or mdl in args.models)]
@@ -98,6 +128,7 @@ def run(args) -> list[dict]:
         cases = [(label, lay, n, k) for lay, n, k in layers]
     if args.shapes:
         cases = [("custom", f"{n}x{k}", n, k) for n, k in args.shapes]
+    real = model_weights(args.model) if args.real_weights else None
     meter = FloorMeter(threads, probe_bytes=4 * llc_bytes() if args.quick else None)
     ctx.update(meter.context())
     print(meter.describe())
@@ -108,13 +139,17 @@ def run(args) -> list[dict]:
     rows = []
     with JsonWriter(args.json, ctx) as out:
         for mdl, lay, n, k in cases:
-            wbits = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).view(np.uint32)
-            wbits = ((wbits + 0x7FFF + ((wbits >> 16) & 1)) >> 16).astype(np.uint16)
+            if real is not None:
+                wbits = real[lay]
+            else:
+                wbits = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).view(np.uint32)
+                wbits = ((wbits + 0x7FFF + ((wbits >> 16) & 1)) >> 16).astype(np.uint16)
             tw = torch.from_numpy(wbits.view(np.int16)).view(torch.bfloat16)
             tbytes = tw.numel() * 2
             tws = [] if args.no_torch else [tw] + [tw.clone() for _ in range(max(0, -(-rotate_bytes // tbytes) - 1))]
             for fmt in formats:
-                ws = copies_of(synthetic_weight(rng, fmt, n, k, wbits), rotate_bytes)
+                w0 = cast_weight(fmt, wbits) if real is not None else synthetic_weight(rng, fmt, n, k, wbits)
+                ws = copies_of(w0, rotate_bytes)
                 for m in ms:
                     if m >= 64 and n * k > 64e6 and args.quick:
                         continue
@@ -150,7 +185,7 @@ def run(args) -> list[dict]:
                         isa = "avx512" if p.startswith("avx512_") and fmt == "mxfp4" else p  # the variants
                         row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": isa,
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
-                               "synthetic": True, "m": m, "k": k, "n": n, "threads": threads,
+                               "synthetic": real is None, "m": m, "k": k, "n": n, "threads": threads,
                                "us_median": s * 1e6, "us_min": st[p].min * 1e6,
                                "us_max": st[p].max * 1e6, "reps": st[p].n, "bytes": nbytes,
                                "gbps": gbps, "pct_of_bw": pct["median"], "pct_min": pct["min"],
@@ -294,12 +329,18 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", type=csv(lambda v: tuple(int(t) for t in v.split("x"))), default=None,
                     help="comma list of NxK shapes (instead of the model layers)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch F.linear baseline")
+    ap.add_argument("--real-weights", action="store_true",
+                    help="with --model: the model's own weights (its middle layer and LM head; MX formats "
+                         "as their direct cast) instead of synthetic ones: the amx MXFP4 path's speed "
+                         "depends on how its block scales spread")
     ap.add_argument("--mx-row-blocks", type=csv(int), default=[],
                     help="also time the VNNI MXFP4 kernel at these forced row-block counts (1, 2, 4: paths "
                          "avx512_vnni_rbN), beside the count this CPU takes (csrc/gemm.h)")
     args = ap.parse_args(argv)
     if any(n not in (1, 2, 4) for n in args.mx_row_blocks):
         ap.error("--mx-row-blocks takes 1, 2 or 4")
+    if args.real_weights and (not args.model or args.shapes):
+        ap.error("--real-weights needs --model (and no --shapes)")
     run(args)
 
 

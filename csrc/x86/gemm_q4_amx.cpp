@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "amx_tiles.h"
 #include "gemm_avx512.h"
@@ -288,15 +289,15 @@ void q4_vnni(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_t m0) {
   __m512i hi[MB][NB], lo[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) hi[i][j] = lo[i][j] = _mm512_setzero_si512();
-  for (int64_t b = 0; b < kb; ++b) {
-    BlockBits bb[NB];
-    for (int j = 0; j < NB; ++j) bb[j] = block_bits(dc, smax[j], a.scales + ((nb + j) * kb + b) * kRows);
+  // one MX block of the NB row blocks: Exact when all of them take the 64-entry table
+  auto block = [&](auto exact, int64_t b, const BlockBits* bb) {
     for (int g = 0; g < 8; ++g) {
       const int64_t slab = b * 8 + g;
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) {
         if (g % 2 == 0) _mm_prefetch(stream_ahead(w[j], slab * 32, 2048, block_bytes, NB * block_bytes), _MM_HINT_T0);
-        wv[j] = decode_slab(dc, w[j] + slab * 32, bb[j], dc.utab_lo, dc.utab_hi);
+        wv[j] = exact ? decode_slab<true>(dc, w[j] + slab * 32, bb[j].bits, dc.utab_lo, dc.utab_hi)
+                      : decode_slab(dc, w[j] + slab * 32, bb[j], dc.utab_lo, dc.utab_hi);
       }
       for (int i = 0; i < MB; ++i) {
         int32_t qh, ql;
@@ -309,6 +310,18 @@ void q4_vnni(const GemmArgs& a, const Decoder& dc, int64_t nb, int64_t m0) {
         }
       }
     }
+  };
+  for (int64_t b = 0; b < kb; ++b) {
+    BlockBits bb[NB];
+    bool exact = true;
+    for (int j = 0; j < NB; ++j) {
+      bb[j] = block_bits(dc, smax[j], a.scales + ((nb + j) * kb + b) * kRows);
+      exact = exact && bb[j].exact;
+    }
+    if (exact)
+      block(std::true_type{}, b, bb);
+    else
+      block(std::false_type{}, b, bb);
   }
   for (int i = 0; i < MB; ++i) {
     const __m512i bh = _mm512_set1_epi32(kBias * a.xsum[m0 + i]), bl = _mm512_set1_epi32(kBias * a.xsum[a.m + m0 + i]);
