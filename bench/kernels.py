@@ -84,13 +84,17 @@ def model_weights(model: str) -> dict[str, np.ndarray]:
     """BF16 bits of the middle layer's GEMMs (and the LM head) of a model, by model_shapes' layer
     names: fused qkv and gate_up as the native model packs them (--real-weights)."""
     from qspec.config import ModelConfig
+    from qspec.errors import QspecError
     from qspec.fetch import resolve_model
     from qspec.loader import load_weights
 
-    d = resolve_model(model)
-    cfg = ModelConfig.from_file(d / "config.json")
-    w = load_weights(d, cfg)
-    lw = w.layers[cfg.n_layers // 2]
+    try:
+        d = resolve_model(model)
+        cfg = ModelConfig.from_file(d / "config.json")
+        w = load_weights(d, cfg)
+        lw = w.layers[cfg.n_layers // 2]
+    except (QspecError, ValueError) as e:
+        raise SystemExit(f"bench: error: {e}") from None
     bits = lambda *ts: torch.cat(ts).contiguous().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
     return {"qkv": bits(lw.wq, lw.wk, lw.wv), "o": bits(lw.wo), "gate_up": bits(lw.w_gate, lw.w_up),
             "down": bits(lw.w_down), "lm_head": bits(w.lm_head)}

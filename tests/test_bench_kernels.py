@@ -49,3 +49,11 @@ def test_bench_kernels_real_weights_need_a_model(capsys):
     with pytest.raises(SystemExit):
         kernels.main(["--real-weights", "--shapes", "64x256"])
     assert "--real-weights needs --model" in capsys.readouterr().err
+
+
+def test_bench_kernels_real_weights_bad_model(tmp_path):
+    """A model directory that cannot be read: one line, no traceback."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="^bench: error: ") as e:
+        kernels.model_weights(str(tmp_path))
+    assert "\n" not in str(e.value)
