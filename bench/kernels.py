@@ -27,6 +27,7 @@ QSPEC_BENCH_SO (bench/common.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import numpy as np
@@ -80,21 +81,37 @@ def cast_weight(fmt: str, w: np.ndarray):
     return _C.pack_mx(fmt, codes, scales, w.shape[1])
 
 
+@contextlib.contextmanager
+def model_errors():
+    """--model's errors (a bad name or directory, an unreadable config or weights file) end the
+    bench with one line."""
+    from qspec.errors import QspecError
+
+    try:
+        yield
+    except (QspecError, ValueError) as e:
+        raise SystemExit(f"bench: error: {e}") from None
+
+
+def model_config(model: str):
+    """(directory, ModelConfig) of --model NAME|DIR."""
+    from qspec.config import ModelConfig
+    from qspec.fetch import resolve_model
+
+    with model_errors():
+        d = resolve_model(model)
+        return d, ModelConfig.from_file(d / "config.json")
+
+
 def model_weights(model: str) -> dict[str, np.ndarray]:
     """BF16 bits of the middle layer's GEMMs (and the LM head) of a model, by model_shapes' layer
     names: fused qkv and gate_up as the native model packs them (--real-weights)."""
-    from qspec.config import ModelConfig
-    from qspec.errors import QspecError
-    from qspec.fetch import resolve_model
     from qspec.loader import load_weights
 
-    try:
-        d = resolve_model(model)
-        cfg = ModelConfig.from_file(d / "config.json")
+    d, cfg = model_config(model)
+    with model_errors():
         w = load_weights(d, cfg)
         lw = w.layers[cfg.n_layers // 2]
-    except (QspecError, ValueError) as e:
-        raise SystemExit(f"bench: error: {e}") from None
     bits = lambda *ts: torch.cat(ts).contiguous().view(torch.int16).numpy().view(np.uint16)  # noqa: E731
     return {"qkv": bits(lw.wq, lw.wk, lw.wv), "o": bits(lw.wo), "gate_up": bits(lw.w_gate, lw.w_up),
             "down": bits(lw.w_down), "lm_head": bits(w.lm_head)}
@@ -103,15 +120,7 @@ def model_weights(model: str) -> dict[str, np.ndarray]:
 def model_shapes(model: str) -> tuple[str, list[tuple[str, int, int]]]:
     """(label, [(layer, N, K)]) of a model's GEMMs, from its config.json (--model NAME|DIR);
     records the layer count in LAYERS for the whole-model summary."""
-    from qspec.config import ModelConfig
-    from qspec.errors import QspecError
-    from qspec.fetch import resolve_model
-
-    try:
-        d = resolve_model(model)
-        c = ModelConfig.from_file(d / "config.json")
-    except (QspecError, ValueError) as e:
-        raise SystemExit(f"bench: error: {e}") from None
+    d, c = model_config(model)
     LAYERS[d.name] = c.n_layers
     return d.name, [("qkv", (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_size),
                     ("o", c.hidden_size, c.n_heads * c.head_dim),
