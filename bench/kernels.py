@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .common import (FloorMeter, JsonWriter, Rotating, copies_of, fmt_table, llc_bytes, model_parser,
                      parent_parser, print_header, reps_for, setup, spread)
 from qspec import _C
+from qspec.draft import cast_rule
 
 # (model, layer, N, K): y[M, N] = x[M, K] @ W[N, K]^T
 MODELS = {
@@ -73,11 +74,11 @@ def synthetic_weight(rng, fmt: str, n: int, k: int, wbits: np.ndarray):
 
 
 def cast_weight(fmt: str, w: np.ndarray):
-    """Packed weight of a real BF16 matrix (bits [n, k] uint16): as is, or its MX direct cast
-    (the draft's own cast, so the scales spread as a real draft's do)."""
+    """Packed weight of a real BF16 matrix (bits [n, k] uint16): as is, or its MX cast (the
+    drafts' own, qspec.draft.cast_rule, so the scales spread as a real draft's do)."""
     if fmt == "bf16":
         return _C.pack_bf16(w)
-    codes, scales = _C.mx_quantize((w.astype(np.uint32) << 16).view(np.float32), fmt)
+    codes, scales = _C.mx_quantize((w.astype(np.uint32) << 16).view(np.float32), fmt, cast_rule(fmt))
     return _C.pack_mx(fmt, codes, scales, w.shape[1])
 
 

@@ -12,6 +12,8 @@
 // - a block whose max |V| is zero or an FP32 subnormal gets scale 0x00 and all-zero codes;
 // - an element that rounds to zero (incl. -0.0) is code 0: no negative-zero codes are emitted;
 // - K is padded with zeros to a multiple of 32.
+// Besides the spec's rule for the shared exponent, the "mse" rule (MxRule in mx.h; the drafts'
+// cast) may take the exponent one above it per block, exactly decided in integers.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -63,6 +65,7 @@ MxCastConsts cast_consts(WFormat f) {
   p.bits = m.bits;
   p.maxmag = uint32_t(max_code_magnitude(f));
   p.is_int = f == WFormat::mxint8;
+  p.mse = false;
   return p;
 }
 
@@ -117,25 +120,81 @@ inline uint8_t cast_block(const MxCastConsts& p, const uint32_t* vbits, uint8_t*
   return uint8_t(shared_exp + kE8M0Bias);
 }
 
-void cast_row(const MxCastConsts& p, const float* x, int64_t k, uint8_t* codes, uint8_t* scales) {
-  if (int(isa_selected()) >= int(Isa::avx2)) return mx_quantize_row_avx2(x, k, codes, scales, p);
+// Magnitude of an FP element code in units of the format's subnormal spacing 2^qmin.
+inline int64_t code_units(const MxCastConsts& p, uint8_t code) {
+  const uint32_t mag = code & ((1u << (p.bits - 1)) - 1);
+  const uint32_t ef = mag >> p.mbits, mf = mag & ((1u << p.mbits) - 1);
+  return ef ? int64_t((1u << p.mbits) | mf) << (ef - 1) : int64_t(mf);
+}
+
+// The mse rule (MxRule, mx.h): whether codes1 (the block cast at e0 + 1) have a smaller squared
+// error than codes0 (at e0). err1 - err0 = sum (q1 - q0)(q1 + q0 - 2|V|) over the block (signs
+// cancel: q0, q1 and V share theirs). In units of 2^(e0 + qmin) q0 = u0, q1 = 2 u1; an element
+// with q0 != q1 has |V| > 2^(e0 + qmin - 1) (half the smallest nonzero q0), so 2|V| is an
+// integer in units of 2^(e0 + qmin - 24) and every term, and the sum, is an exact int64 (below
+// 2^50 for E3M2, the widest 6-bit grid). Elements with q0 == q1 (e.g. both zero) add nothing.
+inline bool next_exponent_closer(const MxCastConsts& p, const uint32_t* vbits, const uint8_t* codes0,
+                                 const uint8_t* codes1, int e0) {
+  int64_t d = 0;
+  for (int i = 0; i < kMxBlock; ++i) {
+    const int64_t u0 = code_units(p, codes0[i]), u1 = 2 * code_units(p, codes1[i]);
+    if (u0 == u1) continue;
+    const uint32_t a = vbits[i] & 0x7FFFFFFFu;
+    const int efield = int(a >> 23);
+    const int64_t m = efield ? ((a & 0x7FFFFFu) | 0x800000u) : a;  // |V| = m * 2^ev
+    const int ev = (efield ? efield : 1) - 150;
+    const int shift = ev - e0 - p.qmin + 25;  // 2|V| = m << shift units; >= 1 here (see above)
+    d += (u1 - u0) * (((u1 + u0) << 24) - (m << shift));
+  }
+  return d < 0;
+}
+
+// The mse rule over one row already cast by the spec's rule: each finite block whose exponent
+// can go one up is cast there too and keeps the closer of the two.
+void closer_exponents(const MxCastConsts& p, const float* x, int64_t k, uint8_t* codes, uint8_t* scales) {
   for (int64_t b = 0; b * kMxBlock < k; ++b) {
     uint32_t vbits[kMxBlock] = {0};  // padding elements are +0
     const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);
     std::memcpy(vbits, x + b * kMxBlock, size_t(n) * sizeof(float));
-    scales[b] = cast_block(p, vbits, codes + b * kMxBlock);
+    uint32_t amax = 0;
+    for (int i = 0; i < kMxBlock; ++i) amax = std::max(amax, vbits[i] & 0x7FFFFFFFu);
+    const int e0 = int(scales[b]) - kE8M0Bias;
+    if (amax >= 0x7F800000u || amax < 0x00800000u || e0 >= 127) continue;  // NaN, flushed, top of E8M0
+    uint8_t* c0 = codes + b * kMxBlock;
+    uint8_t c1[kMxBlock];
+    for (int i = 0; i < kMxBlock; ++i) c1[i] = cast_element(p, vbits[i], e0 + 1);
+    if (next_exponent_closer(p, vbits, c0, c1, e0)) {
+      std::memcpy(c0, c1, kMxBlock);
+      scales[b] = uint8_t(e0 + 1 + kE8M0Bias);
+    }
   }
+}
+
+void cast_row(const MxCastConsts& p, const float* x, int64_t k, uint8_t* codes, uint8_t* scales) {
+  if (int(isa_selected()) >= int(Isa::avx2)) {
+    mx_quantize_row_avx2(x, k, codes, scales, p);
+  } else {
+    for (int64_t b = 0; b * kMxBlock < k; ++b) {
+      uint32_t vbits[kMxBlock] = {0};  // padding elements are +0
+      const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);
+      std::memcpy(vbits, x + b * kMxBlock, size_t(n) * sizeof(float));
+      scales[b] = cast_block(p, vbits, codes + b * kMxBlock);
+    }
+  }
+  if (p.mse) closer_exponents(p, x, k, codes, scales);
 }
 
 }  // namespace
 
-void mx_quantize_row(WFormat f, const float* x, int64_t k, uint8_t* codes, uint8_t* scales) {
-  cast_row(cast_consts(f), x, k, codes, scales);
-}
-
 void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,
-                      uint8_t* scales) {
-  const MxCastConsts p = cast_consts(f);
+                      uint8_t* scales, MxRule rule) {
+  MxCastConsts p = cast_consts(f);
+  if (rule == MxRule::mse) {
+    if (p.is_int || p.bits > 6)
+      throw std::invalid_argument(std::string("the mse scale rule is defined for the 4- and 6-bit formats, not ") +
+                                  mx_format(f).name);
+    p.mse = true;
+  }
   const int64_t nblocks = (k + kMxBlock - 1) / kMxBlock;
   const int64_t kpad = nblocks * kMxBlock;
 #pragma omp parallel for schedule(static)
@@ -189,8 +248,10 @@ py::array_t<T> checked_2d(const py::array& a, const char* what) {
 void bind_mx(py::module_& m) {
   m.def(
       "mx_quantize",
-      [](const py::array& x_in, const std::string& fmt) {
+      [](const py::array& x_in, const std::string& fmt, const std::string& rule) {
         const WFormat f = mx_format_arg(fmt);
+        if (rule != "ocp" && rule != "mse")
+          throw std::invalid_argument("unknown scale rule '" + rule + "' (expected ocp or mse)");
         const auto x = checked_2d<float>(x_in, "x");
         const int64_t rows = x.shape(0), k = x.shape(1);
         if (k < 1) throw std::invalid_argument("x must have at least one column");
@@ -202,13 +263,14 @@ void bind_mx(py::module_& m) {
         uint8_t* sp = scales.mutable_data();
         {
           py::gil_scoped_release nogil;
-          mx_quantize_rows(f, xp, rows, k, cp, sp);
+          mx_quantize_rows(f, xp, rows, k, cp, sp, rule == "mse" ? MxRule::mse : MxRule::ocp);
         }
         return py::make_tuple(codes, scales);
       },
-      py::arg("x"), py::arg("fmt"),
+      py::arg("x"), py::arg("fmt"), py::arg("rule") = "ocp",
       "MX direct cast (OCP MX v1.0) of fp32 [R, K] along K: -> (codes uint8 [R, Kpad], "
-      "E8M0 scales uint8 [R, Kpad/32]), one canonical element code per byte");
+      "E8M0 scales uint8 [R, Kpad/32]), one canonical element code per byte; rule 'ocp' (the "
+      "spec's shared exponent) or 'mse' (that or the one above, whichever is closer; 4/6-bit formats)");
   m.def(
       "mx_dequantize",
       [](const py::array& codes_in, const py::array& scales_in, const std::string& fmt,

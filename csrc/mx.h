@@ -98,19 +98,26 @@ struct MxCastConsts {
   int bits;
   uint32_t maxmag;  // largest finite code magnitude (sign clear): max normal
   bool is_int;      // INT8: value = code * 2^-6, two's complement
+  bool mse;         // the "mse" scale rule (MxRule::mse): set by csrc/mx.cpp's cast_consts only
 };
+
+// How a block's shared exponent is chosen. ocp: the spec's direct cast, floor(log2 max|V|) -
+// emax_elem. mse: that exponent or the one above, whichever gives the block the smaller squared
+// error (ties keep the spec's): the spec's exponent saturates every |V| in [max normal, 2^(emax+1))
+// * X to max normal (FP4: [6, 8) -> 6), and one binade up halves the resolution instead. Defined
+// for the 4- and 6-bit FP formats (the drafts' cast), where the error difference is exact in
+// 64-bit integers; the codes are valid MX either way.
+enum class MxRule { ocp, mse };
 
 // One row of the cast, AVX2 (csrc/x86/mx_avx2.cpp); call only when isa_selected() >= avx2.
 void mx_quantize_row_avx2(const float* x, int64_t k, uint8_t* codes, uint8_t* scales,
                           const MxCastConsts& c);
 
-// One row of the MX direct cast (k values, codes [kpad], scales [kpad / 32]), on the calling thread.
-void mx_quantize_row(WFormat f, const float* x, int64_t k, uint8_t* codes, uint8_t* scales);
-
 // MX direct cast of fp32 rows x[rows, k] along k (csrc/mx.cpp): codes [rows, kpad] one canonical
 // code per byte, scales [rows, kpad/32] E8M0, kpad = ceil(k/32)*32. Throws for bf16.
+// rule: MxRule (mse throws std::invalid_argument for the 8-bit formats).
 void mx_quantize_rows(WFormat f, const float* x, int64_t rows, int64_t k, uint8_t* codes,
-                      uint8_t* scales);
+                      uint8_t* scales, MxRule rule = MxRule::ocp);
 // Inverse: out[rows, k] = element value * 2^(scale-127) (scale 0xFF -> NaN), exact in fp32.
 void mx_dequantize_rows(WFormat f, const uint8_t* codes, const uint8_t* scales, int64_t rows,
                         int64_t k, float* out);

@@ -7,7 +7,7 @@ Packed file (safetensors, written atomically): one uint8 tensor per packed buffe
 "<matrix>/<buffer>" where <matrix> is "layers.<i>.<wqkv|wo|w_gate_up|w_down>" or "lm_head";
 a target file also holds the small tensors as F32 ("norm", "layers.<i>.attn_norm|mlp_norm|bqkv").
 Metadata: qspec_draft_version (the packed-file version), pack_layout_version, kind ("draft", the
-default, or "target" for the weight cache's BF16 file), format, lm_head, source (the
+default, or "target" for the weight cache's BF16 file), format, lm_head, cast (a draft's: DRAFT_CAST), source (the
 checkpoint's path, weight-file bytes, per-file size and mtime, config.json SHA-256), and
 "matrices" = {matrix: [fmt, n, k]}. The header is padded with spaces so the data starts on a
 page boundary. A `qspec quantize` draft file is this file of kind "draft"; one of another
@@ -31,6 +31,16 @@ from . import _C
 from .errors import DraftFileError
 
 DRAFT_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3")
+# The drafts' cast: per block the closer of the spec's shared exponent and the one above
+# (qspec/mx.py, rule "mse") for the 4- and 6-bit formats, the spec's own for MXFP8. Recorded in
+# a draft file's metadata as "cast": the weight cache rebuilds a draft cast otherwise; a
+# `qspec quantize` file of an older cast still loads (any cast drafts losslessly).
+DRAFT_CAST = "mse"
+
+
+def cast_rule(fmt: str) -> str:
+    """The mx.quantize rule the drafts' cast of MX format `fmt` uses."""
+    return DRAFT_CAST if fmt in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2") else "ocp"
 DRAFT_FILE_VERSION = 1
 PAGE = 4096
 
@@ -52,7 +62,7 @@ CAST_ROWS = 4096  # rows cast at a time: the fp32 working copy of an LM head wou
 
 
 def pack_mx_matrix(w, fmt: str):
-    """BF16 [N, K] -> packed MX weights (direct cast per OCP MX v1.0, then repacked for the kernels).
+    """BF16 [N, K] -> packed MX weights (the drafts' cast, cast_rule, then repacked for the kernels).
 
     The cast is row-wise (blocks run along K), so casting CAST_ROWS rows at a time gives the same
     codes while keeping the transient fp32 copy small: the draft adds only its packed weights
@@ -63,7 +73,7 @@ def pack_mx_matrix(w, fmt: str):
     n, k = w.shape
     codes = scales = None
     for r0 in range(0, n, CAST_ROWS):
-        t = mx.quantize(w[r0:r0 + CAST_ROWS], fmt)
+        t = mx.quantize(w[r0:r0 + CAST_ROWS], fmt, rule=cast_rule(fmt))
         if codes is None:
             codes = np.empty((n, t.codes.shape[1]), np.uint8)
             scales = np.empty((n, t.scales.shape[1]), np.uint8)
@@ -218,8 +228,10 @@ def read_packed_file(path: Path) -> tuple[dict, dict]:
 
 
 def packed_file_meta(kind: str, fmt: str, lm_head: str, identity: dict, **extra: str) -> dict[str, str]:
+    """A packed file's metadata; a draft's records its cast (DRAFT_CAST)."""
     return {"qspec_draft_version": str(DRAFT_FILE_VERSION), "pack_layout_version": str(_C.PACK_LAYOUT_VERSION),
-            "kind": kind, "format": fmt, "lm_head": lm_head, "source": json.dumps(identity), **extra}
+            "kind": kind, "format": fmt, "lm_head": lm_head, "source": json.dumps(identity),
+            **({"cast": DRAFT_CAST} if kind == "draft" else {}), **extra}
 
 
 def save_draft_file(path: Path, model_dir: Path, spec: DraftSpec,

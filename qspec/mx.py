@@ -21,6 +21,13 @@ qspec choices where the spec leaves one:
 - the last dimension is padded with zeros to Kpad = ceil(K/32)*32;
 - input is bf16/fp16/fp32, converted to fp32 exactly (float64 is rounded to fp32 first).
 
+``rule="mse"`` (the drafts' cast, qspec/draft.py; the 4- and 6-bit FP formats) changes step 1
+only: per block, shared_exp or shared_exp + 1, whichever gives the block the smaller squared error
+(ties keep shared_exp). The spec's exponent saturates every |V| in [max normal, 2^(emax+1)) * X
+to max normal (FP4: [6, 8) -> 6); one binade up keeps those values at half the resolution. On
+Qwen2.5-Coder-1.5B's weights the squared error of the MXFP4 cast falls by 5-10% (13-21% of the
+blocks move up). The codes are valid MX data either way.
+
 Two implementations agree bit for bit (tests/test_mx.py): ``impl="native"`` is
 ``_C.mx_quantize`` (integer arithmetic on the FP32 bits, OpenMP over rows) and
 ``impl="reference"`` is the float64 torch code below, written to read like the spec.
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # elements per shared scale (OCP MX v1.0: k = 32)
+RULES = ("ocp", "mse")  # how step 1 picks a block's shared exponent (module docstring)
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 
@@ -153,18 +161,23 @@ def _as_fp32_rows(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1, x.shape[-1])
 
 
-def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, impl: str = "native") -> MXTensor:
-    """MX direct cast of `x` along its last dimension (see the module docstring for the rules)."""
+def quantize(x: torch.Tensor, fmt: str = "mxfp4", *, impl: str = "native", rule: str = "ocp") -> MXTensor:
+    """MX direct cast of `x` along its last dimension (see the module docstring for the rules;
+    `rule`: "ocp", the spec's shared exponent, or "mse", the closer of it and the one above)."""
     f = get_format(fmt)
+    if rule not in RULES:
+        raise ValueError(f"unknown scale rule {rule!r} (expected one of: {', '.join(RULES)})")
+    if rule == "mse" and (f.is_int or f.bits > 6):
+        raise ValueError(f"the mse scale rule is defined for the 4- and 6-bit formats, not {f.name}")
     rows = _as_fp32_rows(x)  # [R, K]
     k = rows.shape[1]
     if impl == "native":
         from qspec import _C
 
-        codes_np, scales_np = _C.mx_quantize(rows.numpy(), f.name)
+        codes_np, scales_np = _C.mx_quantize(rows.numpy(), f.name, rule)
         codes, scales = torch.from_numpy(codes_np), torch.from_numpy(scales_np)
     elif impl == "reference":
-        codes, scales = _quantize_reference(rows, f)
+        codes, scales = _quantize_reference(rows, f, rule == "mse")
     else:
         raise ValueError(f"unknown impl {impl!r} (expected 'native' or 'reference')")
     lead = tuple(x.shape[:-1])
@@ -203,14 +216,14 @@ def dequantize(t: MXTensor, dtype: torch.dtype = torch.float32, *, impl: str = "
 _ELEMS_PER_CHUNK = 1 << 22  # bounds the float64 temporaries of the reference (~32 MB each)
 
 
-def _quantize_reference(x: torch.Tensor, f: MXFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_reference(x: torch.Tensor, f: MXFormat, mse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 [R, K] -> (codes uint8 [R, Kpad], scales uint8 [R, Kpad/32])."""
     step = max(1, _ELEMS_PER_CHUNK // x.shape[1])
-    chunks = [_quantize_reference_chunk(x[i : i + step], f) for i in range(0, max(len(x), 1), step)]
+    chunks = [_quantize_reference_chunk(x[i : i + step], f, mse) for i in range(0, max(len(x), 1), step)]
     return torch.cat([c for c, _ in chunks]), torch.cat([s for _, s in chunks])
 
 
-def _quantize_reference_chunk(x: torch.Tensor, f: MXFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_reference_chunk(x: torch.Tensor, f: MXFormat, mse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     kpad = -(-k // BLOCK) * BLOCK
     v = torch.zeros(rows, kpad, dtype=torch.float64)
@@ -235,6 +248,18 @@ def _quantize_reference_chunk(x: torch.Tensor, f: MXFormat) -> tuple[torch.Tenso
     cast = (normal & ~nan_scale).unsqueeze(-1)  # [R, nb, 1]
     p = torch.ldexp(torch.where(cast, v, 0.0), -shared_exp.unsqueeze(-1).to(torch.float64))
     codes = _encode_elements(p, f)  # [R, nb, 32]
+    if mse:
+        # The block cast one exponent up (P / 2), kept where its squared error is smaller:
+        # err(up) - err = sum (q_up - q)(q_up + q - 2P) in units of X. Exact in float64: a term
+        # is nonzero only where q_up != q, which needs |P| > 2^(qmin - 1), so P is a multiple of
+        # 2^(qmin - 24) and every product and partial sum a multiple of 2^(2 qmin - 24) below 2^50 of them.
+        codes_up = _encode_elements(p / 2, f)
+        values = element_values(f.name)
+        q, q_up = values[codes], 2 * values[codes_up]
+        closer = ((q_up - q) * (q_up + q - 2 * p)).sum(-1) < 0
+        up = cast.squeeze(-1) & closer & (shared_exp < 127)
+        codes = torch.where(up.unsqueeze(-1), codes_up, codes)
+        scales = scales + up.to(scales.dtype)
     return codes.reshape(rows, kpad).to(torch.uint8), scales.to(torch.uint8)
 
 

@@ -12,7 +12,7 @@ Files: `<model dir name>-<sha256(resolved model dir)[:16]>.<kind>.qspec.safetens
 takes it), with ".tp<rank>of<world>" after the kind for a tensor-parallel rank's shard
 (qspec/parallel/shard.py). All are packed files (qspec/draft.py).
 A file is used only if its metadata matches this build and this checkpoint: cache version,
-packed-file version, PACK_LAYOUT_VERSION, kind and formats, and the checkpoint identity (model
+packed-file version, PACK_LAYOUT_VERSION, kind and formats, a draft's cast (DRAFT_CAST), and the checkpoint identity (model
 path, each weight file's size and mtime, config.json SHA-256). Anything else (no file, another
 version, a changed checkpoint, a corrupt or truncated file) rebuilds it under the same name.
 
@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .draft import DraftSpec, _read_header, checkpoint_identity, packed_file_meta, read_packed_file, \
+from .draft import DRAFT_CAST, DraftSpec, _read_header, checkpoint_identity, packed_file_meta, read_packed_file, \
     write_packed_file
 from .errors import DraftFileError
 
@@ -155,8 +155,10 @@ class WeightCache:
             source = json.loads(meta.get("source", "null"))
         except (DraftFileError, OSError, ValueError):  # missing, unreadable, corrupt, other layout
             return None
+        file_kind = _file_kind(kind)
         if (meta.get("qspec_cache_version"), meta.get("kind"), meta.get("format"), meta.get("lm_head"),
-                source) != (str(CACHE_VERSION), _file_kind(kind), fmt, lm_head, self.identity):
+                meta.get("cast"), source) != (str(CACHE_VERSION), file_kind, fmt, lm_head,
+                                              DRAFT_CAST if file_kind == "draft" else None, self.identity):
             return None
         try:
             os.utime(self.path(kind))  # the last use, for the LRU cap

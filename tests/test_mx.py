@@ -18,20 +18,24 @@ NATIVE_LEVELS = [lv for lv in ("scalar", "avx2") if lv in _C.cpu_info()["isa_lev
 IMPLS = [f"native:{lv}" for lv in NATIVE_LEVELS] + ["reference"]
 
 
-def quantize(x, fmt, impl="native"):
+MSE_FORMATS = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2"]  # where rule="mse" is defined
+RULE_CASES = [(f, "ocp") for f in FORMATS] + [(f, "mse") for f in MSE_FORMATS]
+
+
+def quantize(x, fmt, impl="native", rule="ocp"):
     """mx.quantize with `impl` = "reference", "native" or "native:<isa level>"."""
     if not impl.startswith("native:"):
-        return mx.quantize(x, fmt, impl=impl)
+        return mx.quantize(x, fmt, impl=impl, rule=rule)
     previous = _C.isa_selected()
     _C.set_isa_limit(impl.split(":")[1])
     try:
-        return mx.quantize(x, fmt, impl="native")
+        return mx.quantize(x, fmt, impl="native", rule=rule)
     finally:
         _C.set_isa_limit(previous)
 
 
-def assert_all_impls_agree(x, fmt):
-    ts = [quantize(x, fmt, impl) for impl in IMPLS]
+def assert_all_impls_agree(x, fmt, rule="ocp"):
+    ts = [quantize(x, fmt, impl, rule) for impl in IMPLS]
     for t in ts[1:]:
         assert_same(ts[0], t)
     return ts[0]
@@ -320,12 +324,12 @@ def test_reference_nan_scale_above_range():
 # --- shapes, dtypes, agreement ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,rule", RULE_CASES)
 @pytest.mark.parametrize("k", [1, 3, 31, 32, 33, 4095])
-def test_awkward_lengths(fmt, k):
+def test_awkward_lengths(fmt, rule, k):
     torch.manual_seed(k)
     x = torch.randn(3, 2, k) * 3
-    t = assert_all_impls_agree(x, fmt)
+    t = assert_all_impls_agree(x, fmt, rule)
     kpad = -(-k // 32) * 32
     assert t.codes.shape == (3, 2, kpad) and t.scales.shape == (3, 2, kpad // 32)
     assert t.shape == x.shape and t.k == k
@@ -340,8 +344,8 @@ def test_awkward_lengths(fmt, k):
     assert (err <= amax * 0.6).all()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_native_equals_reference_wide_range(fmt):
+@pytest.mark.parametrize("fmt,rule", RULE_CASES)
+def test_native_equals_reference_wide_range(fmt, rule):
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(96, 1027, generator=g) * torch.pow(2.0, torch.randint(-140, 130, (96, 1027), generator=g).float())
     # Per-block wide range too: some blocks whose exponents vary only a little.
@@ -351,11 +355,12 @@ def test_native_equals_reference_wide_range(fmt):
     x[24, 7] = math.nan
     x[25, 100] = -math.inf
     x[26, ::5] = -0.0
-    assert_all_impls_agree(x, fmt)
+    x[27] = (torch.randn(1027, generator=g) * 2.0**126).clamp(-3e38, 3e38)  # near the FP32 top
+    assert_all_impls_agree(x, fmt, rule)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_native_equals_reference_adversarial_ties(fmt):
+@pytest.mark.parametrize("fmt,rule", RULE_CASES)
+def test_native_equals_reference_adversarial_ties(fmt, rule):
     """Midpoints and their neighbours at random block scales, mixed with random values."""
     f = mx.FORMATS[fmt]
     g = torch.Generator().manual_seed(7)
@@ -365,7 +370,66 @@ def test_native_equals_reference_adversarial_ties(fmt):
     vals[:, 0] = f.max_normal * torch.rand(256, generator=g).add(1.0).clamp(max=1.99)  # pins X
     e = torch.randint(-130, 127 - f.emax, (256, 1), generator=g).double()
     x = (vals * torch.pow(2.0, e)).float()
-    assert_all_impls_agree(x, fmt)
+    assert_all_impls_agree(x, fmt, rule)
+
+
+def nearest_error(x: torch.Tensor, fmt: str, e: torch.Tensor) -> torch.Tensor:
+    """Independent oracle of the mse rule: each block's squared error when every element takes
+    the nearest grid value at scale 2^e (saturating; at a tie either neighbour has the same
+    error, so no tie rule is needed). x [B, 32] float64, e [B] -> [B] float64."""
+    grid = torch.tensor(sorted({abs(v) for _, v in finite_codes(fmt)}), dtype=torch.float64)
+    p = x.abs() / torch.pow(2.0, e.double()).unsqueeze(-1)
+    return (((p.unsqueeze(-1) - grid).abs().amin(-1) * torch.pow(2.0, e.double()).unsqueeze(-1)) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fmt", MSE_FORMATS)
+def test_mse_rule_keeps_the_closer_exponent(fmt, impl):
+    """Each block takes the spec's exponent or the one above, whichever has the smaller squared
+    error against the float64 oracle; ties keep the spec's; the codes are the nearest ones at
+    the chosen exponent (their error is the oracle's)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(512, 32, generator=g) * torch.pow(2.0, torch.randint(-4, 5, (512, 1), generator=g).float())
+    x[:128] = x[:128] * torch.pow(2.0, torch.randint(-2, 3, (128, 32), generator=g).float())  # spread
+    x[128:192] = torch.randn(64, 32, generator=g).sign() * torch.rand(64, 32, generator=g) * 0.1
+    x[128:192, 0] = 7.9  # a saturating max over small values: one up is closer
+    ocp, mse = quantize(x, fmt, impl, "ocp"), quantize(x, fmt, impl, "mse")
+    e0 = ocp.scales[:, 0].long() - 127
+    xd = x.double()
+    err0, err1 = nearest_error(xd, fmt, e0), nearest_error(xd, fmt, e0 + 1)
+    up = mse.scales[:, 0].long() - 127 - e0
+    assert set(up.tolist()) <= {0, 1}
+    assert (up[err1 < err0 * (1 - 1e-12)] == 1).all() and (up[err0 < err1 * (1 - 1e-12)] == 0).all()
+    assert up.sum() > 0 and (up == 0).sum() > 0
+    err = ((mx.dequantize(mse).double() - xd) ** 2).sum(-1)
+    assert torch.allclose(err, torch.where(up == 1, err1, err0), rtol=1e-12, atol=0)
+    assert (up[128:192] == 1).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mse_rule_fp4_blocks_by_hand(impl):
+    """FP4, X = 1 by the spec (block max in [4, 8)). 7.9 saturates to 6 (error 1.9^2); one up
+    (X = 2) it is 8, and 31 x 0.25 round to 0 at both exponents: up. 6.2 over 1.5s: exact at
+    X = 1, ties 0.75 -> 1.0 (x 2) at X = 2: stays. 6.2 over 1.25s: the same error at both
+    (0.25^2 each, 6 for 6.2 either way): a tie keeps the spec's."""
+    x = torch.stack([block([7.9] + [0.25] * 31), block([6.2] + [1.5] * 31), block([6.2] + [1.25] * 31)])
+    t = quantize(x, "mxfp4", impl, "mse")
+    assert t.scales[:, 0].tolist() == [128, 127, 127]
+    assert mx.dequantize(t)[0, :2].tolist() == [8.0, 0.0]
+    assert mx.dequantize(t)[1, :2].tolist() == [6.0, 1.5]
+
+
+def test_mse_rule_bad_arguments():
+    x = torch.ones(2, 32)
+    for fmt in ("mxfp8_e4m3", "mxfp8_e5m2", "mxint8"):
+        with pytest.raises(ValueError, match="4- and 6-bit"):
+            mx.quantize(x, fmt, rule="mse")
+        with pytest.raises(ValueError, match="4- and 6-bit"):
+            _C.mx_quantize(x.numpy(), fmt, "mse")
+    with pytest.raises(ValueError, match="scale rule"):
+        mx.quantize(x, "mxfp4", rule="min")
+    with pytest.raises(ValueError, match="scale rule"):
+        _C.mx_quantize(x.numpy(), "mxfp4", "min")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -436,8 +500,8 @@ def slow_only(request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_native_equals_reference_every_fp32_pattern(fmt, slow_only):
+@pytest.mark.parametrize("fmt,rule", RULE_CASES)
+def test_native_equals_reference_every_fp32_pattern(fmt, rule, slow_only):
     """All 2^24 top-24-bit FP32 patterns (sign, exponent, 15 mantissa bits; random low 8 bits,
     so NaN, Inf, subnormals, zeros included), shuffled into blocks."""
     g = torch.Generator().manual_seed(99)
@@ -445,12 +509,12 @@ def test_native_equals_reference_every_fp32_pattern(fmt, slow_only):
     bits |= torch.randint(0, 1 << 8, bits.shape, generator=g)
     x = bits.to(torch.int32).view(torch.float32)
     x = x[torch.randperm(len(x), generator=g)].reshape(-1, 32 * 64)
-    assert_all_impls_agree(x, fmt)
+    assert_all_impls_agree(x, fmt, rule)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_native_equals_reference_every_relative_value(fmt, slow_only):
+@pytest.mark.parametrize("fmt,rule", RULE_CASES)
+def test_native_equals_reference_every_relative_value(fmt, rule, slow_only):
     """Within a block pinned to each shared exponent (block max = 2^(emax+1) - ulp), every
     element exponent from the max down to below the element's subnormals, every top 16
     mantissa bits, both signs: exercises every rounding position of every binade."""
@@ -472,5 +536,6 @@ def test_native_equals_reference_every_relative_value(fmt, slow_only):
         if not rows:
             continue  # every element would be an FP32 subnormal
         x = torch.cat(rows, 0)
-        t = assert_all_impls_agree(x, fmt)
-        assert (t.scales == shared_exp + 127).all() if top * 2.0**shared_exp >= 2.0**-126 else True
+        t = assert_all_impls_agree(x, fmt, rule)
+        if rule == "ocp" and top * 2.0**shared_exp >= 2.0**-126:
+            assert (t.scales == shared_exp + 127).all()

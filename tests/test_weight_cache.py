@@ -12,7 +12,7 @@ import pytest
 
 import qspec
 from qspec import _C
-from qspec.draft import read_packed_file, write_packed_file
+from qspec.draft import DRAFT_CAST, read_packed_file, write_packed_file
 from qspec.weight_cache import SUFFIX
 
 PROMPT = "Write a haiku about the sea."
@@ -117,6 +117,27 @@ def test_other_draft_format_has_its_own_file(default_model_dir, pristine, cache)
     assert e.generate(PROMPT, max_new_tokens=N).tokens == pristine[1]  # lossless: any draft
     e = qspec.load(default_model_dir, draft=LIGHT, draft_lm_head="bf16")
     assert e.backend.load_info["draft"] == "cache" and len(files(cache)) == 3
+
+
+def test_draft_of_another_cast_is_rebuilt(default_model_dir, pristine, cache, monkeypatch):
+    """A cached draft records its cast (qspec.draft.DRAFT_CAST): when the drafts' cast changes it
+    is cast again (the target stays mapped); a `qspec quantize` file of another cast still loads."""
+    use_pristine(pristine, cache)
+    assert read_packed_file(next(cache.glob(f"*draft-{LIGHT}-*")))[0]["cast"] == DRAFT_CAST
+    for cast in ("ocp", DRAFT_CAST):  # "ocp": the cast before the mse rule
+        monkeypatch.setattr("qspec.draft.DRAFT_CAST", cast)
+        monkeypatch.setattr("qspec.weight_cache.DRAFT_CAST", cast)
+        e = qspec.load(default_model_dir, draft=LIGHT, draft_lm_head="bf16")
+        assert (e.backend.load_info["target"], e.backend.load_info["draft"]) == ("cache", "built+cached")
+        assert read_packed_file(next(cache.glob(f"*draft-{LIGHT}-*")))[0]["cast"] == cast
+        if cast == "ocp":
+            from qspec.draft import save_draft_file
+
+            f = save_draft_file(cache.parent / "d.safetensors", default_model_dir, e.draft, e.backend.draft_packed)
+    assert e.generate(PROMPT, max_new_tokens=N).tokens == pristine[1]
+    from_file = qspec.load(default_model_dir, draft_file=f)
+    assert from_file.backend.load_info["draft"] == "file"
+    assert from_file.generate(PROMPT, max_new_tokens=N).tokens == pristine[1]
 
 
 def test_invalidation(model_copy, cache, monkeypatch):
