@@ -102,23 +102,24 @@ def case_rows(samples: dict, ms: list[int], draft_ms: list[int]) -> list[dict]:
              "vs_m1": r["step_ms"] / (draft if case == "draft" else one)["step_ms"]} for case, m, r in cases]
 
 
-def controller_share(eng, prompts: list[str], n_new: int) -> dict:
-    """Speculative decoding (default settings, greedy) of each prompt, token ids as they come
-    (Engine.tokens): the native profile is reset once the first token is out, after the prefill,
-    so it covers exactly the decode. Shares of decode time: native forward, Python around the
-    draft/verify forwards (backend.forward, the draft loop), the rest of the controller."""
+def controller_share(eng, prompts: list[str], n_new: int, tree: str | None = None) -> dict:
+    """Speculative decoding (default settings, greedy; `tree`: the engine's tree mode unless
+    given) of each prompt, token ids as they come (Engine.tokens): the native profile is reset
+    once the first token is out, after the prefill, so it covers exactly the decode. Shares of
+    decode time: native forward, Python around the draft/verify forwards of chain and tree
+    steps (backend.forward, the draft loop), the rest of the controller."""
     model = eng.backend.model
     decode = phases = native = 0.0
     steps = tokens = 0
     for p in prompts:
         s: dict = {}
-        it = eng.tokens(p, max_new_tokens=n_new, stats=s)
+        it = eng.tokens(p, max_new_tokens=n_new, stats=s, tree=tree)
         next(it)  # the prefill and the first token
         model.profile_reset()
         for _ in it:
             pass
         decode += s["decode_s"]
-        phases += s["draft_s"] + s["verify_s"]
+        phases += s["draft_s"] + s["verify_s"] + s.get("tree_draft_s", 0.0) + s.get("tree_verify_s", 0.0)
         native += model.profile()["total_s"]
         steps += s["steps"]
         tokens += s["new_tokens"] - 1

@@ -77,10 +77,21 @@ def test_bench_breakdown_quick(default_model_dir, tmp_path, capsys):
     ctl = rows[4]
     assert ctl["case"] == "controller" and ctl["prompts"] == 1 and ctl["new_tokens"] == 8
     assert ctl["native_pct"] + ctl["around_forward_pct"] + ctl["controller_pct"] == pytest.approx(100)
-    assert 0 < ctl["native_pct"] <= 100
+    assert 0 < ctl["native_pct"] <= 100 and ctl["around_forward_pct"] >= 0 and ctl["controller_pct"] >= 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "bench.breakdown" in text and "native forward" in text and "lm_head" in text
+
+
+def test_controller_share_counts_tree_steps(default_model_dir):
+    """Tree steps keep their draft and verify time apart (tree_draft_s, tree_verify_s): the share
+    around the forwards counts them, so no share goes negative."""
+    import qspec
+
+    eng = qspec.load(default_model_dir)
+    ctl = breakdown.controller_share(eng, ["Write a haiku about the sea."], 16, tree="on")
+    assert ctl["native_pct"] + ctl["around_forward_pct"] + ctl["controller_pct"] == pytest.approx(100)
+    assert 0 < ctl["native_pct"] <= 100 and ctl["around_forward_pct"] >= 0 and ctl["controller_pct"] >= 0
 
 
 @pytest.mark.parametrize("flag", ["--ms", "--draft-ms"])
