@@ -150,8 +150,12 @@ inline bool next_exponent_closer(const MxCastConsts& p, const uint32_t* vbits, c
 }
 
 // The mse rule over one row already cast by the spec's rule: each finite block whose exponent
-// can go one up is cast there too and keeps the closer of the two.
+// can go one up is cast there too and keeps the closer of the two. Only a block with an element
+// above max normal * 2^e0 can move: up to max normal, twice each grid value at e0 + 1 is a value
+// of the grid at e0 (an FP grid doubled is itself one exponent up), so the finer grid's nearest
+// value is at least as close for every element and a tie keeps e0.
 void closer_exponents(const MxCastConsts& p, const float* x, int64_t k, uint8_t* codes, uint8_t* scales) {
+  const int64_t max_units = code_units(p, uint8_t(p.maxmag));  // max normal in units of 2^qmin
   for (int64_t b = 0; b * kMxBlock < k; ++b) {
     uint32_t vbits[kMxBlock] = {0};  // padding elements are +0
     const int64_t n = std::min<int64_t>(kMxBlock, k - b * kMxBlock);
@@ -160,6 +164,9 @@ void closer_exponents(const MxCastConsts& p, const float* x, int64_t k, uint8_t*
     for (int i = 0; i < kMxBlock; ++i) amax = std::max(amax, vbits[i] & 0x7FFFFFFFu);
     const int e0 = int(scales[b]) - kE8M0Bias;
     if (amax >= 0x7F800000u || amax < 0x00800000u || e0 >= 127) continue;  // NaN, flushed, top of E8M0
+    float amax_f;
+    std::memcpy(&amax_f, &amax, sizeof amax_f);
+    if (double(amax_f) <= std::ldexp(double(max_units), e0 + p.qmin)) continue;  // nothing saturates
     uint8_t* c0 = codes + b * kMxBlock;
     uint8_t c1[kMxBlock];
     for (int i = 0; i < kMxBlock; ++i) c1[i] = cast_element(p, vbits[i], e0 + 1);

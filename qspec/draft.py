@@ -31,6 +31,8 @@ from . import _C
 from .errors import DraftFileError
 
 DRAFT_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3")
+DRAFT_FILE_VERSION = 1
+PAGE = 4096
 # The drafts' cast: per block the closer of the spec's shared exponent and the one above
 # (qspec/mx.py, rule "mse") for the 4- and 6-bit formats, the spec's own for MXFP8. Recorded in
 # a draft file's metadata as "cast": the weight cache rebuilds a draft cast otherwise; a
@@ -41,8 +43,6 @@ DRAFT_CAST = "mse"
 def cast_rule(fmt: str) -> str:
     """The mx.quantize rule the drafts' cast of MX format `fmt` uses."""
     return DRAFT_CAST if fmt in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2") else "ocp"
-DRAFT_FILE_VERSION = 1
-PAGE = 4096
 
 
 @dataclass(frozen=True)
