@@ -4,8 +4,8 @@ interleaved): `python -m bench.kernels [--threads N] [--model NAME|DIR] [--quick
 Weights are SYNTHETIC (random) in the real shapes of SmolLM2-135M, Llama-3.2-1B and
 Llama-3-8B, or with --model in the GEMM shapes of that model's config.json (fused qkv, o,
 fused gate_up, down, lm_head): they measure speed only. `--real-weights` (with --model) takes the
-model's own middle layer and LM head instead (MX formats as their direct cast, the draft's): the
-amx MXFP4 path's decode depends on how a row block's block scales spread (a block with an output
+model's own middle layer and LM head instead (MX formats cast as the drafts are,
+qspec.draft.cast_rule): the amx MXFP4 path's decode depends on how a row block's block scales spread (a block with an output
 4+ binades below its largest takes a slower table), and the synthetic scales (uniform over 8
 binades) spread far wider than a real cast's. Each case rotates through enough copies
 of the weight to exceed the last-level cache, so bytes really come from DRAM (as in decoding).
@@ -345,7 +345,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch F.linear baseline")
     ap.add_argument("--real-weights", action="store_true",
                     help="with --model: the model's own weights (its middle layer and LM head; MX formats "
-                         "as their direct cast) instead of synthetic ones: the amx MXFP4 path's speed "
+                         "cast as the drafts are) instead of synthetic ones: the amx MXFP4 path's speed "
                          "depends on how its block scales spread")
     ap.add_argument("--mx-row-blocks", type=csv(int), default=[],
                     help="also time the VNNI MXFP4 kernel at these forced row-block counts (1, 2, 4: paths "

@@ -184,8 +184,8 @@ def pack_target(weights: ModelWeights, shard: Shard) -> Iterator[tuple[str, obje
 
 
 def cast_draft_matrices(weights: ModelWeights, spec: DraftSpec, shard: Shard) -> Iterator[tuple[str, object]]:
-    """The draft's packed MX matrices (of `shard`'s part of the model), one at a time, by direct
-    cast of the target's own BF16 weights."""
+    """The draft's packed MX matrices (of `shard`'s part of the model), one at a time, by the
+    drafts' cast (qspec.draft.cast_rule) of the target's own BF16 weights."""
     for i, lw in enumerate(weights.layers):
         for k, w in shard.layer_matrices(lw).items():
             yield f"layers.{i}.{k}", pack_mx_matrix(w, spec.fmt)
@@ -194,8 +194,7 @@ def cast_draft_matrices(weights: ModelWeights, spec: DraftSpec, shard: Shard) ->
 
 
 def cast_draft(weights: ModelWeights, spec: DraftSpec, shard: Shard) -> dict:
-    """The draft's packed MX matrices (of `shard`'s part of the model), by direct cast of the
-    target's own BF16 weights."""
+    """cast_draft_matrices as one dict."""
     return dict(cast_draft_matrices(weights, spec, shard))
 
 

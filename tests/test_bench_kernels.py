@@ -32,7 +32,7 @@ def test_bench_kernels_bad_row_blocks(capsys):
 
 
 def test_bench_kernels_real_weights(default_model_dir, tmp_path):
-    """--real-weights: the model's own middle layer and LM head, MX as their direct cast (what
+    """--real-weights: the model's own middle layer and LM head, MX cast as the drafts are (what
     the draft packs): every GEMM of the model timed, the rows marked not synthetic."""
     out = tmp_path / "k.jsonl"
     kernels.main(["--model", str(default_model_dir), "--real-weights", "--formats", "mxfp4", "--ms", "1",
