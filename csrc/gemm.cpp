@@ -497,7 +497,7 @@ void run_on_pool(void (*kernel)(const GemmArgs&, int64_t, int64_t, float*), cons
   int threads = pool.threads();
   if (weight_bytes * size_t(m) < (size_t(1) << 16)) threads = 1;
   threads = int(std::min<int64_t>(threads, nblk));
-  const int64_t scratch = std::max(m * detail::kAccCols, a.xbf_tiles ? detail::kAmxPrefillScratch : 0);  // amx prefill
+  const int64_t scratch = std::max(m * detail::kAccCols, a.xbf_tiles && a.mpad > detail::kAmxPrefillRows ? detail::kAmxPrefillScratch : 0);  // amx prefill
   thread_local std::vector<float> acc_buf;  // a slot each: any worker may join (kernels initialise it)
   fit(acc_buf, scratch * pool.threads());
   float* const acc = acc_buf.data();  // the caller's buffer (a worker's thread_local would be its own)
@@ -573,7 +573,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
     a.xc = xc.data();
   } else if (bf16_act) {
     a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
-    a.xbf_tiles = p == GemmPath::amx && a.mpad > detail::kAmxPrefillRows;  // prefill: A tiles of 1 KB (gemm_amx.cpp)
+    a.xbf_tiles = p == GemmPath::amx && a.mpad > 16;  // 2+ row tiles: A tiles of 1 KB (gemm_amx.cpp)
     uint16_t* const xb = bf16_rows(a.mpad * a.kp);
     round_bf16_act(x, m, ldx, w.k, a.kp, a.mpad, a.xbf_tiles, xb);
     a.xbf = xb;

@@ -562,10 +562,12 @@ def test_round_bf16_rows(rng):
         np.testing.assert_array_equal(got, want, err_msg=f"m={m} k={k}")
 
 
-@pytest.mark.parametrize("n,k,ms", [(72, 160, (16, 48, 65, 97, 130)), (600, 1100, (80, 300))])
+@pytest.mark.parametrize("n,k,ms", [(72, 160, (16, 17, 33, 48, 64, 65, 97, 130)), (600, 1100, (80, 300))])
 def test_amx_rows_same_for_decode_and_prefill(rng, n, k, ms):
-    """The amx path computes every row alike at any M, prefill included (one TDPBF16PS per 32 k);
-    the second case crosses the prefill's chunks of rows, row blocks and K (gemm_amx.cpp)."""
+    """The amx path computes every row alike at any M, prefill included (one TDPBF16PS per 32 k):
+    one row tile, pairs of row blocks by 32-row halves (17-64 rows, the last pair ragged here)
+    and the prefill; the second case crosses the prefill's chunks of rows, row blocks and K
+    (gemm_amx.cpp)."""
     pw, _ = make_weight(rng, "bf16", n, k)
     if "amx" not in paths_for(pw, 1):
         pytest.skip("no amx level here")

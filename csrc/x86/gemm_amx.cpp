@@ -1,8 +1,8 @@
 // AMX-BF16 GEMM for BF16 weights at every M: decode, verify and prefill (gemm_supports).
 // x is rounded to bf16 by the driver into [mpad][kp]: mpad = M rounded up to 16 (zero rows), or
 // 1 for M = 1, whose A tile reads that row 16 times (stride 0) instead of 15 zero rows that the
-// driver would write on every decode step. Prefill (mpad > 64) gets x in the A-tile order
-// instead (xbf_tiles: each 16 rows x 32 k one contiguous 1 KB tile, no 4 KB-strided rows).
+// driver would write on every decode step. Two or more row tiles (mpad > 16) get x in the A-tile
+// order instead (xbf_tiles: each 16 rows x 32 k one contiguous 1 KB tile, no 4 KB-strided rows).
 // The packed BF16 layout is already the B-tile layout: one row block and 32 k = 16 rows of
 // 64 bytes (k pair x 16 columns), 1 KB contiguous.
 //
@@ -17,10 +17,11 @@
 // (rows are independent) but would save only TMUL work, which is not the bound: one 1 KB B tile
 // per 16-cycle TDPBF16PS is far more than a core's share of DRAM bandwidth.
 //
-// Decode/verify (mpad <= kAmxPrefillRows = 64): each B tile is loaded once per k step and used
-// by every row tile (the weight stream is read once for all M rows), with up to 4 independent C
-// tiles in flight to cover TDPBF16PS latency (M <= 16: 4 row blocks at once) and a software
-// prefetch of each row block's stream. Prefill (mpad > 64): 2 x 2 tiles per 32 rows, blocked for the caches
+// Decode/verify (mpad <= kAmxPrefillRows = 64) reads the weight stream from DRAM once for all M
+// rows, with a software prefetch of each row block's stream: M <= 16 loads each B tile once per
+// k step for 4 independent C tiles (4 row blocks at once, covering TDPBF16PS latency); M > 16
+// takes pairs of row blocks through 2 x 2 tile steps, one 32-row half of x after the other
+// (verify_pairs). Prefill (mpad > 64): 2 x 2 tiles per 32 rows, blocked for the caches
 // (prefill_blocks).
 // Tested against ref on a Sapphire Rapids VM and under emulation (tests/test_isa_emulation.py).
 // There (Qwen2.5-Coder-1.5B shapes, 2 threads, `qspec bench kernels`): one row at ~80% of the
@@ -174,22 +175,35 @@ void tile_step(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
   });
 }
 
-// Decode/verify: all MT row tiles per B tile, groups of 4 / MT row blocks.
-template <int MT>
+// Decode/verify, M <= 16: one row tile, 4 row blocks at a time (4 C tiles in flight).
 void verify_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t prefetch) {
-  constexpr int kGroup = 4 / MT;
-  for (int64_t nb = nb0; nb < nb1; nb += kGroup) {
+  for (int64_t nb = nb0; nb < nb1; nb += 4) {
     const int64_t left = nb1 - nb;
-    if constexpr (kGroup == 4) {
-      if (left >= 4) tile_step<MT, 4>(a, nb, 0, 0, a.kp, prefetch);
-      else if (left == 3) tile_step<MT, 3>(a, nb, 0, 0, a.kp, prefetch);
-      else if (left == 2) tile_step<MT, 2>(a, nb, 0, 0, a.kp, prefetch);
-      else tile_step<MT, 1>(a, nb, 0, 0, a.kp, prefetch);
-    } else if constexpr (kGroup == 2) {
-      if (left >= 2) tile_step<MT, 2>(a, nb, 0, 0, a.kp, prefetch);
-      else tile_step<MT, 1>(a, nb, 0, 0, a.kp, prefetch);
-    } else {
-      tile_step<MT, 1>(a, nb, 0, 0, a.kp, prefetch);
+    if (left >= 4) tile_step<1, 4>(a, nb, 0, 0, a.kp, prefetch);
+    else if (left == 3) tile_step<1, 3>(a, nb, 0, 0, a.kp, prefetch);
+    else if (left == 2) tile_step<1, 2>(a, nb, 0, 0, a.kp, prefetch);
+    else tile_step<1, 1>(a, nb, 0, 0, a.kp, prefetch);
+  }
+}
+
+// Decode/verify, 16 < M <= 64: pairs of row blocks, each pair's 2 x 2 tile steps over one
+// 32-row half of x after the other. The first half streams the pair's B tiles from DRAM (with
+// the prefetch); the later halves read them again from L2 (a pair's K = 8,960 is 573 KB). x is
+// in the A-tile order (gemm.cpp: each A tile 1 KB contiguous). Against one tile_step of all the
+// row tiles per B tile (4 row tiles x 1 row block for M > 32: one DRAM stream and four
+// 16-row-strided A loads per B tile), model-167 AMX Xeon, 2 threads, Qwen2.5-Coder-1.5B:
+// a 33-row target pass 2.12-2.25 -> 1.76-1.77 one-row passes (`qspec bench breakdown --ms
+// 1,9,16,17,33`, two alternations), 17 rows 1.31-1.36 -> 1.29-1.34.
+void verify_pairs(const GemmArgs& a, int64_t nb0, int64_t nb1, int64_t prefetch) {
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const bool two_b = nb + 1 < nb1;
+    for (int64_t m0 = 0; m0 < a.mpad; m0 += 32) {
+      const int64_t pf = m0 == 0 ? prefetch : 0;
+      const bool two_a = m0 + 16 < a.mpad;
+      if (two_a && two_b) tile_step<2, 2>(a, nb, m0, 0, a.kp, pf);
+      else if (two_a) tile_step<2, 1>(a, nb, m0, 0, a.kp, pf);
+      else if (two_b) tile_step<1, 2>(a, nb, m0, 0, a.kp, pf);
+      else tile_step<1, 1>(a, nb, m0, 0, a.kp, pf);
     }
   }
 }
@@ -240,13 +254,9 @@ void prefill_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* cbuf) {
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   const int64_t prefetch = a.prefetch > 0 ? a.prefetch : kDefaultPrefetch;
   amx::configure_16x64();  // tile state is per thread: every thread of the pool configures its own
-  switch ((a.mpad + 15) / 16) {
-    case 1: verify_blocks<1>(a, nb0, nb1, prefetch); break;
-    case 2: verify_blocks<2>(a, nb0, nb1, prefetch); break;
-    case 3: verify_blocks<3>(a, nb0, nb1, prefetch); break;
-    case 4: verify_blocks<4>(a, nb0, nb1, prefetch); break;
-    default: prefill_blocks(a, nb0, nb1, acc);
-  }
+  if (a.mpad <= 16) verify_blocks(a, nb0, nb1, prefetch);
+  else if (a.mpad <= kAmxPrefillRows) verify_pairs(a, nb0, nb1, prefetch);
+  else prefill_blocks(a, nb0, nb1, acc);
   _tile_release();
 }
 
