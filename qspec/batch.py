@@ -8,7 +8,12 @@ the same for one sequence as for many: it calls forward and gets its logits back
 The Batcher runs a step as soon as every admitted sequence is waiting for a forward (or paused,
 its generator suspended at a yield): the waiting passes are grouped by weight set (the target,
 each MX draft) and each group is one native forward over a ragged batch (csrc/model.cpp), so
-the GEMMs stream the weights once for all of its rows. Sequences join (admission, when the pool
+the GEMMs stream the weights once for all of its rows. While any sequence still drafts, a step
+runs only the cheapest draft level's passes and the target's wait: the sequences draft in step
+and verify in one forward a round (a target forward streams ~3.7x a draft's bytes), and beside
+others each takes one draft length and tree shape a round (SeqBackend.round). On the model-167
+AMX Xeon, 4 dev prompts x 64 tokens of Qwen2.5-Coder-1.5B at once: K = 8 1.6x the plain batch
+(was 1.1-1.2x with a verify forward per sequence), the defaults 1.3-1.7x (was 0.9x). Sequences join (admission, when the pool
 has pages for the prompt and a slot is free) and leave at step boundaries. Every op of a pass is
 batch-invariant (docs/architecture.md), so a sequence's rows, hence its greedy output, are the same
 whatever else runs in the step.
@@ -83,6 +88,7 @@ class Batcher:
         self.live: list[Seq] = []
         self._order = itertools.count()
         self.steps = 0
+        self.rounds = 0  # steps that ran target decode passes (verifies, plain steps)
         # step cost: an EMA of a step without prefill rows, and of one prefill row (seconds)
         self._step_s: float | None = None
         self._row_s: float | None = None
@@ -172,12 +178,16 @@ class Batcher:
         """One step: every waiting pass, one native forward per weight set (under the pool lock,
         so no page moves while it runs)."""
         passes = [p for s in self.live for p in s.passes]
-        decode = [p for p in passes if not p.prefill]
-        if decode and all(p.weight_set for p in decode):
-            # only draft passes of the running sequences: a prompt chunk waits for their verify
-            # step, so that a speculation round (drafts + verify) takes one chunk, not one a pass
-            passes = decode
+        top = max((p.weight_set for p in passes if not p.prefill), default=0)
+        if top:
+            # only the passes of the cheapest draft level waiting: the passes of the levels below
+            # (the target's verifies, prompt chunks) wait until every sequence has drafted, so the
+            # sequences stay in step (one verify forward a round for all, each draft forward
+            # holding all their rows) however their prompts, draft lengths or trees differ
+            passes = [p for p in passes if not p.prefill and p.weight_set == top]
         for s in self.live:
+            if any(p in passes for p in s.passes):
+                s.state = "running"  # its thread runs as soon as it wakes: no step without it
             s.passes = [p for p in s.passes if p not in passes]
         t0 = time.perf_counter()
         # the sequences' own time since the last step (acceptance, sampling, the rendezvous),
@@ -199,6 +209,7 @@ class Batcher:
                     except Exception as e:  # noqa: BLE001 - raised in its sequence's thread
                         p.error = e
         self._last_end = time.perf_counter()
+        self.rounds += any(p.weight_set == 0 and not p.prefill for p in passes)
         self._observe(passes, self._last_end - t0)
         self.steps += 1
         self.cv.notify_all()
@@ -219,15 +230,26 @@ class SeqBackend:
     def __init__(self, batcher: Batcher, seq: Seq):
         self._batcher, self._seq = batcher, seq
         self.kv = seq.kv
-        self.shared = False  # set when the sequence runs beside others (see clock)
         self._cost = 0.0
 
     def clock(self) -> float:
-        """Seconds for the cost models: wall time alone; beside other sequences, the sum of this
-        sequence's shares of the steps it took part in (each forward's time split by rows, the
-        time between steps split by passes), so that a draft length is weighed by what its rows
-        and round trips cost the batch, not by the waits for the other sequences' passes."""
-        return self._cost if self.shared else time.perf_counter()
+        """Seconds for the cost models: the sum of this sequence's shares of the steps it took
+        part in (each forward's time split by rows, the time between steps split by passes), so
+        that beside other sequences a draft length is weighed by what its rows and round trips
+        cost the batch, not by the waits for the other sequences' passes. Alone, a step is all
+        its own: the clock runs as wall time does, from step to step."""
+        return self._cost
+
+    def batch(self) -> int:
+        """The batch size class now: 1, 2, 4, 8, .. sequences (the live ones, rounded up)."""
+        return 1 << self._batcher.others(self._seq).bit_length()
+
+    @property
+    def round(self) -> int | None:
+        """Beside other sequences, the batch's round (target steps so far): the sequences of a
+        batch size class take one draft length and tree shape a round (CostModel.choose,
+        TreeCost.arm), so they draft in step and verify in one forward; None alone."""
+        return self._batcher.rounds if self._batcher.others(self._seq) else None
 
     def __getattr__(self, name):
         return getattr(self._batcher.backend, name)

@@ -16,7 +16,8 @@ from .speculative import DRAFT_MAX_LIMIT
 
 UPPER_LEVELS = range(2, MAX_LEVELS + 1)  # --draft2 .. --draft4: the levels above --draft
 
-BENCHMARKS = ("membw", "kernels", "rows", "attention", "decode", "e2e", "breakdown", "peer", "serve", "tp", "prefill")  # modules of qspec.bench (bench/ in the source tree)
+BENCHMARKS = ("membw", "kernels", "rows", "attention", "decode", "e2e", "batch", "breakdown", "peer", "serve", "tp",
+              "prefill")  # modules of qspec.bench (bench/ in the source tree)
 
 
 DEFAULT_MODEL_ID = "smollm2-135m"  # what -m names the default model (qspec fetch --list)

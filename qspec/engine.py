@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence, Union
+from typing import Callable, Iterator, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -310,25 +310,26 @@ class Engine:
         first = self._prefill(be, seq, ids, len(ids) + max_new_tokens, stats)
         if speculative and chain and max_new_tokens > 1:
             names = tuple(lv.name for lv in chain)
-            batch = 1 << (self.batcher.others(seq)).bit_length()  # 1, 2, 4, 8, ..: K is chosen per batch size
-            be.shared = batch > 1
             ks: list[int | None] = [None]
-            costs: list[CostModel | None] = [None]
+            # K is chosen per batch size class, the one of each round (be.batch()): the cost
+            # models of the classes the sequence passes through as others join and leave
+            costs: list[Callable[[], CostModel] | None] = [None]
             for i, k in enumerate(per_level, start=1):
                 k_min = dp.draft_min if i == 1 else 1
                 ks.append(dp.k_cap if i == 1 else (DRAFT_MAX_LIMIT if k == "auto" else k))
-                costs.append(self._cost_model(i, names, ks[-1], k_min, params.greedy, batch) if k == "auto" else None)
+                costs.append(self._class_cost_model(be, i, names, ks[-1], k_min, params.greedy) if k == "auto" else None)
             levels = [lv.bind(be) if isinstance(lv, MXLevel) else lv for lv in chain]
             run = Chain([MXLevel(be, 0, "target")] + levels, ks, costs, params, dp,
-                        self._tree(tp, chain, names, params.greedy, per_level[0], batch))
+                        self._tree(tp, chain, names, params.greedy, per_level[0], be.batch))
             yield from run.tokens(be, first, max_new_tokens, self.eos_ids, list(ids), stats)
         else:
             yield from self._plain(be, first, max_new_tokens, params, stats)
 
-    def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool, k, batch: int = 1):
-        """(TreeParams, TreeCost or None) for Chain, or None for today's chain (also for "auto" over
-        a chain of several levels: the tree is drafted by level 1 alone). A fixed draft_max
-        K is the tree's depth unless tree_depth is given (capped by tree_nodes - 1)."""
+    def _tree(self, tp: TreeParams, chain: list, names: tuple, greedy: bool, k, batch: Callable[[], int]):
+        """(TreeParams, a function giving the TreeCost of the batch size class `batch()`, or None)
+        for Chain, or None for today's chain (also for "auto" over a chain of several levels: the
+        tree is drafted by level 1 alone). A fixed draft_max K is the tree's depth unless
+        tree_depth is given (capped by tree_nodes - 1)."""
         if tp.depth is None and isinstance(k, int):
             tp = replace(tp, depth=min(k, tp.nodes - 1) if tp.nodes is not None else k)
         if tp.mode == "off" or tp.mode == "auto" and len(chain) > 1:  # auto: single-level chains only
@@ -340,10 +341,19 @@ class Engine:
             return None
         if not greedy:  # seeded sampling stays reproducible: no timing-based choice (auto = the chain)
             return (tp, None) if tp.mode == "on" else None
-        key = ("tree", tp, names, batch)
-        if key not in self._tree_costs:
-            self._tree_costs[key] = TreeCost(tp, chain_ok=True)
-        return tp, self._tree_costs[key]
+
+        def cost() -> TreeCost:
+            key = ("tree", tp, names, batch())
+            if key not in self._tree_costs:
+                self._tree_costs[key] = TreeCost(tp, chain_ok=True)
+            return self._tree_costs[key]
+        return tp, cost
+
+    def _class_cost_model(self, be: SeqBackend, level: int, chain: tuple[str, ...], k_cap: int, k_min: int,
+                          greedy: bool) -> Callable[[], CostModel]:
+        """The cost model of a sequence's level, as a function of the batch size class it runs in
+        at each call (be.batch())."""
+        return lambda: self._cost_model(level, chain, k_cap, k_min, greedy, be.batch())
 
     def _cost_model(self, level: int, chain: tuple[str, ...], k_cap: int, k_min: int, greedy: bool,
                     batch: int = 1) -> CostModel:

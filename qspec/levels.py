@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -150,14 +150,16 @@ class LevelStats:
 
 class Chain:
     """One generation's decoding over a chain: `levels[0]` the target (MXLevel of set 0), then the
-    drafting levels; `ks[i]` level i's fixed draft length or None with `costs[i]` (i >= 1)."""
+    drafting levels; `ks[i]` level i's fixed draft length or None with `costs[i]` (i >= 1), a
+    function giving level i's CostModel for the batch size class of the moment (Engine)."""
 
-    def __init__(self, levels: list, ks: list[int | None], costs: list[CostModel | None],
+    def __init__(self, levels: list, ks: list[int | None], costs: list[Callable[[], CostModel] | None],
                  params: SamplingParams, dp: DraftParams, tree=None):
-        """`tree`: a (TreeParams, TreeCost or None) pair: level 1 drafts trees (qspec/tree.py)."""
+        """`tree`: a (TreeParams, function giving the TreeCost, or None) pair: level 1 drafts trees
+        (qspec/tree.py)."""
         self.levels, self.ks, self.costs, self.params, self.dp = levels, ks, costs, params, dp
-        # what the cost models are fed: the sequence's share of the batched passes when it runs
-        # beside others (qspec/batch.py, SeqBackend.clock), else wall time
+        # what the cost models are fed: the sequence's share of the batched passes
+        # (qspec/batch.py, SeqBackend.clock), else (a backend without batching) wall time
         self.clock = getattr(levels[0].backend, "clock", time.perf_counter)
         self.gen = None if params.greedy else params.generator()
         self.stats = [LevelStats() for _ in levels]
@@ -167,11 +169,13 @@ class Chain:
 
             self.tree = TreeRunner(levels[0].backend, levels[1], tree[0], tree[1], params, self.gen)
 
-    def _k(self, i: int, room: int) -> int:
+    def _k(self, i: int, room: int, cost: CostModel | None) -> int:
         if room <= 0:
             return 0
-        cost = self.costs[i]
-        return min(cost.choose() if cost is not None else self.ks[i], room)
+        if cost is None:
+            return min(self.ks[i], room)
+        # level 1 beside other sequences: one K a batch round (CostModel.choose)
+        return min(cost.choose(getattr(self.levels[0].backend, "round", None) if i == 1 else None), room)
 
     def _pick(self, logits: np.ndarray) -> tuple[int, np.ndarray | None, float]:
         """A token of one row of logits, its probability row (sampling), and its probability."""
@@ -210,7 +214,8 @@ class Chain:
         """One pass of level i over [last] + at most `room` tokens drafted by level i+1: the tokens
         it keeps and its own next one, with level i's probability rows for them (sampling)."""
         up = i + 1
-        k = self._k(up, room)
+        cost = self.costs[up]() if self.costs[up] is not None else None  # the batch size class's now
+        k = self._k(up, room, cost)
         t0 = self.clock()
         drafts, qs = self._draft(up, last, pos, k, context) if k else ([], [])
         t1 = self.clock()
@@ -230,8 +235,8 @@ class Chain:
         st.verify_s += t2 - t1
         st.rounds += room > 0
         st.skipped += room > 0 and not drafts
-        if self.costs[up] is not None:
-            self.costs[up].observe(len(drafts), a, t1 - t0, t2 - t1)
+        if cost is not None:
+            cost.observe(len(drafts), a, t1 - t0, t2 - t1)
         return drafts[:a] + [nxt], p_rows
 
     def tokens(self, backend, first_logits: np.ndarray, max_new: int, eos_ids: set[int],

@@ -71,9 +71,8 @@ class CostModel:
 
     def __init__(self, byte_ratio: float, k_max: int, k_min: int, skippable: bool = False, shared_by: int = 1):
         """`shared_by`: the sequences that consult this model at once (a batch size class,
-        qspec/batch.py): a skipping level probes once every PROBE_EVERY of each one's steps."""
+        qspec/batch.py); they take one K a round (choose)."""
         self.k_min, self.k_max = k_min, k_max
-        self.probe_every = self.PROBE_EVERY * shared_by
         # beside other sequences, drafting must beat the plain step by SHARED_MARGIN: the
         # shares it is fed leave out what a draft step costs everyone (one more rendezvous and
         # forward per step; measured on Zen 3 with 8 sequences: drafting at a predicted break-even
@@ -84,6 +83,8 @@ class CostModel:
         # t_v(1) per token, beats the best K; K = 0 is then explored like the others
         self.skippable = skippable
         self._skips = 0
+        self._round: int | None = None  # the batch round of the last choice, and that choice
+        self._round_k = 0
         self.hits, self.trials = 7.0, 10.0  # pooled: prior a = 0.7, worth ten trials
         self.pos_hits = [0.0] * k_max      # per draft position j (index j - 1)
         self.pos_trials = [0.0] * k_max
@@ -129,7 +130,17 @@ class CostModel:
         slope = max(0.0, (t1 - t0) / (m1 - m0))
         return max(1e-9, t0 + slope * (m - m0))
 
-    def choose(self) -> int:
+    def choose(self, round: int | None = None) -> int:
+        """K for the next draft. `round`: beside other sequences, the batch's round
+        (SeqBackend.round): the first call of a round decides and the rest of that round get the
+        same K, so the batch drafts in step (qspec/batch.py) and explores, skips and probes once
+        a round."""
+        if round is not None and round == self._round:
+            return self._round_k
+        self._round, self._round_k = round, self._choose()
+        return self._round_k
+
+    def _choose(self) -> int:
         if self._explore or not self.t_verify:
             return self._explore.pop(0) if self._explore else self.k_min
         t_d = self.t_draft if self.t_draft is not None else self.byte_ratio * self.verify_seconds(1)
@@ -142,7 +153,7 @@ class CostModel:
                 rate = tau / (k * t_d + self.verify_seconds(k + 1))
                 if rate > best:
                     best_k, best = k, rate
-        if self.skippable and best * self.verify_seconds(1) < self.margin and self._skips < self.probe_every:
+        if self.skippable and best * self.verify_seconds(1) < self.margin and self._skips < self.PROBE_EVERY:
             self._skips += 1
             return 0
         self._skips = 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -239,8 +240,18 @@ class TreeCost:
         self.c: dict[int, float] = {}          # draft pass seconds per frontier width
         self.verify = CostModel(1.0, TREE_NODES_LIMIT, 1)  # its t_v(M) curve only
         self.verify._explore = []
+        self._round: int | None = None
+        self._round_arm = None
 
-    def arm(self):
+    def arm(self, round: int | None = None):
+        """The shape of the next step. `round`: beside other sequences, the batch's round: one
+        arm a round for all of them (CostModel.choose)."""
+        if round is not None and round == self._round:
+            return self._round_arm
+        self._round, self._round_arm = round, self._arm()
+        return self._round_arm
+
+    def _arm(self):
         self.steps += 1
         untried = [a for a in self.arms if self.tries[a] < 2]
         if untried:
@@ -303,9 +314,10 @@ class TreeStats:
 
 class TreeRunner:
     """The tree steps of one generation: `level` (an MXLevel of the backend) drafts, the backend's
-    target verifies. `cost` (greedy) chooses the shape; None uses the caps as given."""
+    target verifies. `cost()` (greedy: the TreeCost of the batch size class of the moment) chooses
+    the shape; None uses the caps as given."""
 
-    def __init__(self, backend, level, params: TreeParams, cost: TreeCost | None,
+    def __init__(self, backend, level, params: TreeParams, cost: Callable[[], TreeCost] | None,
                  sp: SamplingParams, gen: np.random.Generator | None):
         self.backend, self.level, self.params, self.cost, self.sp, self.gen = backend, level, params, cost, sp, gen
         self.stats = TreeStats()
@@ -314,8 +326,8 @@ class TreeRunner:
         """Tokens to emit after `tok` (at slot P), with at most `room` drafted tokens among them;
         `chain_round()` runs today's chain step instead when the cost model's arm says so.
         Returns (tokens, drafted, accepted) of level 1 (both 0 for a chain step)."""
-        cost, p = self.cost, self.params
-        arm = cost.arm() if cost is not None else p.w
+        cost, p = self.cost() if self.cost is not None else None, self.params  # the batch size class's now
+        arm = cost.arm(getattr(self.backend, "round", None)) if cost is not None else p.w
         t0 = time.perf_counter()
         if arm == "chain":
             new = chain_round()

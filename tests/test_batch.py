@@ -7,12 +7,13 @@ generations, mixed lengths, speculation on and off, preemption, cancellation).
 """
 
 import threading
+import types
 
 import numpy as np
 import pytest
 
 import qspec
-from qspec.batch import Batcher
+from qspec.batch import Batcher, Pass, Seq
 from qspec.bench.common import dev_prompts as load_prompts
 from qspec.kv_cache import KVCache, KVPool
 
@@ -76,6 +77,55 @@ def test_concurrent_generations_equal_each_alone(eng, kw):
         t.join()
     assert got == want
     assert eng.batcher.steps - steps < 0.7 * alone_steps  # the passes were shared
+
+
+@pytest.mark.parametrize("kw", [dict(draft_max=3, tree="off"), dict(tree="on")], ids=["k3", "tree"])
+def test_sequences_draft_in_step_and_verify_together(eng, monkeypatch, kw):
+    """While a sequence drafts, the target's passes wait (Batcher._step): no step runs a target
+    forward beside a draft one, and the sequences verify in one forward a round — about as many
+    target forwards as the longest generation has steps, not one per sequence and step."""
+    be = eng.backend
+    ps = prompts(eng, 4)
+    want = [eng.generate(p, N_NEW, levels=1, **kw).tokens for p in ps]
+    log = []
+    run = be.run
+
+    def spy(group, weight_set):
+        log.append((eng.batcher.steps, weight_set, all(p.prefill for p in group)))
+        return run(group, weight_set)
+
+    monkeypatch.setattr(be, "run", spy)
+    res = eng.generate_batch(ps, N_NEW, levels=1, **kw)
+    assert [r.tokens for r in res] == want
+    sets = {}
+    for step, weight_set, prefill in log:
+        sets.setdefault(step, set()).add(weight_set if not prefill else "prefill")
+    assert not [s for s in sets.values() if 0 in s and len(s - {"prefill"}) > 1]
+    verifies = sum(1 for s in sets.values() if 0 in s)
+    steps = [r.stats["steps"] for r in res]
+    assert verifies <= max(steps) + len(ps) < sum(steps)
+
+
+def test_a_sequence_whose_pass_ran_counts_as_running():
+    """After a step, the sequences it served are running (their threads have yet to take the
+    logits): the next step waits for them instead of running without them (Batcher._ready)."""
+    pool = types.SimpleNamespace(lock=threading.Lock())
+    backend = types.SimpleNamespace(pool=pool, run=lambda group, ws: [np.zeros(1) for _ in group])
+    b = Batcher(backend)
+    a, c = (Seq(kv=None, order=i) for i in range(2))
+    b.live = [a, c]
+    for s in (a, c):
+        s.passes = [Pass(kv=None, tokens=np.zeros(1, np.int32), start_pos=0, all_logits=False, tree=None,
+                         weight_set=1)]
+        s.state = "waiting"
+    with b.cv:  # steps run under the pool lock
+        b._step()
+    assert a.state == c.state == "running" and not b._ready()
+    a.passes = [Pass(kv=None, tokens=np.zeros(1, np.int32), start_pos=1, all_logits=False, tree=None, weight_set=1)]
+    a.state = "waiting"
+    assert not b._ready()  # c has not taken its logits yet
+    c.state = "waiting"
+    assert b._ready()
 
 
 def test_generate_batch(eng):

@@ -273,6 +273,26 @@ def test_cost_model_follows_the_verify_curve():
     assert k >= 8
 
 
+def test_cost_model_one_choice_a_batch_round():
+    """Beside other sequences (a round given), the first call of a round decides and every
+    sequence of that round drafts the same K; exploration advances once a round. Alone (no round)
+    each call decides."""
+    from qspec.speculative import CostModel
+    from qspec.tree import TreeCost, TreeParams
+
+    cm = CostModel(byte_ratio=0.3, k_max=8, k_min=1, skippable=True, shared_by=4)
+    first = [cm.choose(7) for _ in range(4)]
+    assert first == [1] * 4  # exploration starts at K = 1
+    assert [cm.choose(8) for _ in range(3)] == [2] * 3 and cm.choose(9) == 4
+    alone = CostModel(byte_ratio=0.3, k_max=8, k_min=1)
+    assert [alone.choose() for _ in range(3)] == [1, 2, 4]
+    tc = TreeCost(TreeParams("auto", 3), chain_ok=True)
+    arms = [tc.arm(3) for _ in range(4)]
+    assert len(set(arms)) == 1 and tc.steps == 1
+    tc.arm(4)
+    assert tc.steps == 2
+
+
 def test_auto_k_remembers_costs_across_generations(default_model_dir):
     eng = engine_for(default_model_dir, "mxfp4")
     p = dev_prompts()[3]
