@@ -10,11 +10,10 @@ its generator suspended at a yield): the waiting passes are grouped by weight se
 each MX draft) and each group is one native forward over a ragged batch (csrc/model.cpp), so
 the GEMMs stream the weights once for all of its rows. While any sequence still drafts, a step
 runs only the cheapest draft level's passes and the target's wait: the sequences draft in step
-and verify in one forward a round (a target forward streams ~3.7x a draft's bytes), and beside
-others each takes one draft length and tree shape a round (SeqBackend.round). On the model-167
-AMX Xeon, 4 dev prompts x 64 tokens of Qwen2.5-Coder-1.5B at once: K = 8 1.6x the plain batch
-(was 1.1-1.2x with a verify forward per sequence), the defaults 1.3-1.7x (was 0.9x). Sequences join (admission, when the pool
-has pages for the prompt and a slot is free) and leave at step boundaries. Every op of a pass is
+and verify in one forward a round (a target forward streams ~3.7x an MXFP4 draft's bytes), and
+beside others each takes one draft length and tree shape a round (SeqBackend.round): `qspec
+bench batch` (README, "Speculation beside other sequences"). Sequences join (admission, when the
+pool has pages for the prompt and a slot is free) and leave at step boundaries. Every op of a pass is
 batch-invariant (docs/architecture.md), so a sequence's rows, hence its greedy output, are the same
 whatever else runs in the step.
 

@@ -159,7 +159,8 @@ class Chain:
         (qspec/tree.py)."""
         self.levels, self.ks, self.costs, self.params, self.dp = levels, ks, costs, params, dp
         # what the cost models are fed: the sequence's share of the batched passes
-        # (qspec/batch.py, SeqBackend.clock), else (a backend without batching) wall time
+        # (qspec/batch.py, SeqBackend.clock), else (a backend without batching) wall time;
+        # the stats (draft_s, verify_s) are wall time
         self.clock = getattr(levels[0].backend, "clock", time.perf_counter)
         self.gen = None if params.greedy else params.generator()
         self.stats = [LevelStats() for _ in levels]
@@ -216,11 +217,11 @@ class Chain:
         up = i + 1
         cost = self.costs[up]() if self.costs[up] is not None else None  # the batch size class's now
         k = self._k(up, room, cost)
-        t0 = self.clock()
+        t0, c0 = time.perf_counter(), self.clock()
         drafts, qs = self._draft(up, last, pos, k, context) if k else ([], [])
-        t1 = self.clock()
+        t1, c1 = time.perf_counter(), self.clock()
         rows = self.levels[i].score([last] + drafts, pos, context)
-        t2 = self.clock()
+        t2, c2 = time.perf_counter(), self.clock()
         if self.gen is None:
             best = argmax(rows)
             a = next((j for j, d in enumerate(drafts) if d != best[j]), len(drafts))
@@ -236,7 +237,7 @@ class Chain:
         st.rounds += room > 0
         st.skipped += room > 0 and not drafts
         if cost is not None:
-            cost.observe(len(drafts), a, t1 - t0, t2 - t1)
+            cost.observe(len(drafts), a, c1 - c0, c2 - c1)
         return drafts[:a] + [nxt], p_rows
 
     def tokens(self, backend, first_logits: np.ndarray, max_new: int, eos_ids: set[int],
