@@ -15,6 +15,7 @@ The loop itself, for one draft level or a chain of them, is qspec/levels.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -43,6 +44,21 @@ class DraftParams:
     @property
     def k_cap(self) -> int:
         return DRAFT_MAX_LIMIT if self.draft_max == "auto" else int(self.draft_max)
+
+
+class PerRound:
+    """One decision a batch round: beside other sequences (a round given: SeqBackend.round) the
+    first call of a round decides and the rest of that round get the same value, so the batch
+    drafts in step (qspec/batch.py); alone (round None) every call decides."""
+
+    def __init__(self):
+        self.round: int | None = None
+        self.value = None
+
+    def get(self, round: int | None, decide: Callable[[], object]):
+        if round is None or round != self.round:
+            self.round, self.value = round, decide()
+        return self.value
 
 
 class CostModel:
@@ -83,8 +99,7 @@ class CostModel:
         # t_v(1) per token, beats the best K; K = 0 is then explored like the others
         self.skippable = skippable
         self._skips = 0
-        self._round: int | None = None  # the batch round of the last choice, and that choice
-        self._round_k = 0
+        self._per_round = PerRound()
         self.hits, self.trials = 7.0, 10.0  # pooled: prior a = 0.7, worth ten trials
         self.pos_hits = [0.0] * k_max      # per draft position j (index j - 1)
         self.pos_trials = [0.0] * k_max
@@ -131,14 +146,9 @@ class CostModel:
         return max(1e-9, t0 + slope * (m - m0))
 
     def choose(self, round: int | None = None) -> int:
-        """K for the next draft. `round`: beside other sequences, the batch's round
-        (SeqBackend.round): the first call of a round decides and the rest of that round get the
-        same K, so the batch drafts in step (qspec/batch.py) and explores, skips and probes once
-        a round."""
-        if round is not None and round == self._round:
-            return self._round_k
-        self._round, self._round_k = round, self._choose()
-        return self._round_k
+        """K for the next draft; beside other sequences one K a batch `round` (PerRound), so the
+        batch explores, skips and probes once a round."""
+        return self._per_round.get(round, self._choose)
 
     def _choose(self) -> int:
         if self._explore or not self.t_verify:

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from .sampling import SamplingParams, argmax, sample, warp
-from .speculative import DRAFT_MAX_LIMIT, CostModel
+from .speculative import DRAFT_MAX_LIMIT, CostModel, PerRound
 
 TREE_MODES = ("auto", "on", "off")
 TREE_WIDTH_LIMIT = 8
@@ -240,16 +240,11 @@ class TreeCost:
         self.c: dict[int, float] = {}          # draft pass seconds per frontier width
         self.verify = CostModel(1.0, TREE_NODES_LIMIT, 1)  # its t_v(M) curve only
         self.verify._explore = []
-        self._round: int | None = None
-        self._round_arm = None
+        self._per_round = PerRound()
 
     def arm(self, round: int | None = None):
-        """The shape of the next step. `round`: beside other sequences, the batch's round: one
-        arm a round for all of them (CostModel.choose)."""
-        if round is not None and round == self._round:
-            return self._round_arm
-        self._round, self._round_arm = round, self._arm()
-        return self._round_arm
+        """The shape of the next step; beside other sequences one a batch `round` (PerRound)."""
+        return self._per_round.get(round, self._arm)
 
     def _arm(self):
         self.steps += 1
