@@ -293,7 +293,7 @@ GemmArgs rows_of(const GemmArgs& a, int64_t m0, int64_t m) {
     c.xd = a.xd + m0 * (a.kp / kKBlk);
     c.xc = a.xc + m0 * (a.kp / kKBlk);
   }
-  if (a.xbf) c.xbf = a.xbf + m0 * a.kp;
+  if (a.xbf) c.xbf = a.xbf_ld ? a.xbf + 2 * m0 : a.xbf + m0 * a.kp;
   c.y = a.y + m0 * a.ldy;
   return c;
 }
@@ -463,21 +463,23 @@ GemmArgs args_of(const PackedWeight& w, int64_t m, float* y, int64_t ldy) {
 }
 
 // x rows rounded to bf16 for the avx512_bf16 / amx kernels: [mpad][kp] (padding rows and
-// columns zero), or in the A-tile order (tiles, amx prefill).
+// columns zero), in the A-tile order (tiles, amx prefill), or with their k pairs interleaved over
+// pairs_ld rows (avx512_bf16, M > 1: GemmArgs::xbf_ld).
 void round_bf16_act(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int64_t mpad, bool tiles,
-                    uint16_t* xb) {
-  // padding rows: zero (in the A-tile order they share the last row tile with real rows)
+                    uint16_t* xb, int64_t pairs_ld) {
+  // padding rows: zero (in the A-tile order they share the last row tile with real rows; the pairs
+  // layout writes its own)
   if (tiles) std::fill(xb + (mpad - 16) * kp, xb + mpad * kp, uint16_t(0));
-  else std::fill(xb + m * kp, xb + mpad * kp, uint16_t(0));
+  else if (!pairs_ld) std::fill(xb + m * kp, xb + mpad * kp, uint16_t(0));
   // Large prefill calls convert their rows on the pool (chunks of 16 rows from a shared counter).
   if (m * k < (int64_t(1) << 18) || Pool::instance().threads() == 1) {
-    detail::round_bf16_rows_avx512(x, m, ldx, k, kp, xb, 0, tiles);  // both paths have AVX-512
+    detail::round_bf16_rows_avx512(x, m, ldx, k, kp, xb, 0, tiles, pairs_ld);  // both paths have AVX-512
     return;
   }
   std::atomic<int64_t> next_row{0};
   auto body = [&](int) {
     for (int64_t r0; (r0 = next_row.fetch_add(16, std::memory_order_relaxed)) < m;)
-      detail::round_bf16_rows_avx512(x + r0 * ldx, std::min<int64_t>(16, m - r0), ldx, k, kp, xb, r0, tiles);
+      detail::round_bf16_rows_avx512(x + r0 * ldx, std::min<int64_t>(16, m - r0), ldx, k, kp, xb, r0, tiles, pairs_ld);
   };
   Pool::instance().run(body);
 }
@@ -574,8 +576,9 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   } else if (bf16_act) {
     a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
     a.xbf_tiles = p == GemmPath::amx && a.mpad > 16;  // 2+ row tiles: A tiles of 1 KB (gemm_amx.cpp)
-    uint16_t* const xb = bf16_rows(a.mpad * a.kp);
-    round_bf16_act(x, m, ldx, w.k, a.kp, a.mpad, a.xbf_tiles, xb);
+    if (p == GemmPath::avx512_bf16) a.xbf_ld = m > 1 ? rup(m, 16) : 1;
+    uint16_t* const xb = bf16_rows(std::max(a.mpad, a.xbf_ld) * a.kp);
+    round_bf16_act(x, m, ldx, w.k, a.kp, a.mpad, a.xbf_tiles, xb, a.xbf_ld > 1 ? a.xbf_ld : 0);
     a.xbf = xb;
   } else if (w.k != a.kp) {
     fit(xpad, m * a.kp);
@@ -634,7 +637,7 @@ void gemm_swiglu(const PackedWeight& gate_up, const float* x, int64_t m, int64_t
   a.mpad = rup(m, 16);
   a.xbf_tiles = true;
   uint16_t* const xb = bf16_rows(a.mpad * a.kp);
-  round_bf16_act(x, m, ldx, gate_up.k, a.kp, a.mpad, true, xb);
+  round_bf16_act(x, m, ldx, gate_up.k, a.kp, a.mpad, true, xb, 0);
   a.xbf = xb;
   a.act = act;
   a.act_kp = f;

@@ -466,10 +466,11 @@ def test_paths_match_ref_awkward_shapes(fmt, rng):
             assert_close_to_ref(p, pw.fmt, _C.gemm(pw, x, path=p), yref, x, w)
 
 
-@pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.parametrize("fmt", ["bf16"] + MX_FORMATS)
 def test_paths_match_ref_every_decode_m(fmt, rng):
     """Every register tile of the decode / verify range: M = 1..17 (one row tile up to 16 rows,
-    then two), 33 (K chunked for L1), ragged N (a group of row blocks cut short) and padded K."""
+    then two), 33 (K chunked for L1), ragged N (a group of row blocks cut short) and padded K;
+    avx512_bf16 with x's k pairs interleaved over the rows (GemmArgs::xbf_ld)."""
     for n, k in [(72, 100), (40, 1000)]:
         pw, w = make_weight(rng, fmt, n, k)
         for m in list(range(1, 18)) + [33]:
@@ -520,7 +521,7 @@ def test_prefill_sizes_match_ref(rng):
 # ----------------------------------------------------------------------- batch invariance
 
 
-def check_invariance(pw, k, rng, ms=(2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 64, 97)):
+def check_invariance(pw, k, rng, ms=(2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 25, 33, 64, 97)):
     row = rng.standard_normal((1, k)).astype(np.float32)
     for p in paths_for(pw, 1):
         alone = _C.gemm(pw, row, path=p)
@@ -545,7 +546,8 @@ def test_batch_invariance(fmt, rng):
 @pytest.mark.skipif(_C.isa_selected() not in ("avx512", "avx512_bf16", "amx"), reason="needs AVX-512")
 def test_round_bf16_rows(rng):
     """The activations of the BF16 tile kernels: fp32 -> bf16 round to nearest even, NaN quieted,
-    in rows and in the AMX A-tile order alike (the binding compares the layouts), ragged K."""
+    in rows, in the AMX A-tile order and with k pairs interleaved over rows alike (the binding
+    compares the layouts), ragged K."""
     for m, k in ((1, 1), (3, 17), (17, 160), (40, 1000)):
         x = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-140, 120, (m, k)))).astype(np.float32)
         u = x.view(np.uint32)
