@@ -261,6 +261,8 @@ class Chain:
                     self.stats[1].accepted += accepted
                 else:
                     new, _ = self._round(0, tok, base, room, history)
+                # an end-of-sequence token ends the run: nothing past it is emitted or committed
+                new = next((new[:i + 1] for i, t in enumerate(new) if t in eos_ids), new)
                 kv.length = base + len(new)  # commit tok + the accepted drafts; the rest are not counted
                 steps += 1
                 for t in new:
