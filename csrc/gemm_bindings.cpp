@@ -182,14 +182,11 @@ void bind_gemm(py::module_& m) {
     {
       py::gil_scoped_release nogil;
       const int64_t kp = rup(k, kKBlk);
-      const int64_t ld = rup(m, 16);
-      std::vector<uint16_t> buf(size_t(m * kp)), tiled(size_t(ld * kp)), pairs(size_t(ld * kp), 0xFFFF);
+      std::vector<uint16_t> buf(size_t(m * kp)), tiled(size_t(rup(m, 16) * kp)), pairs(size_t(m * kp));
       detail::round_bf16_rows_avx512(xc.data(), m, k, k, kp, buf.data(), 0, false);
       detail::round_bf16_rows_avx512(xc.data(), m, k, k, kp, tiled.data(), 0, true);
-      detail::round_bf16_rows_avx512(xc.data(), m, k, k, kp, pairs.data(), 0, false, ld);
-      for (int64_t c = 0; c < kp; ++c)  // the pairs layout's padding rows are zero
-        for (int64_t i = m; i < ld; ++i)
-          if (pairs[size_t((c / 2 * ld + i) * 2 + c % 2)] != 0) throw std::logic_error("round_bf16: pairs padding not zero");
+      detail::round_bf16_rows_avx512(xc.data(), m, k, k, kp, pairs.data(), 0, false, m);
+      const int64_t ld = m;
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t c = 0; c < kp; ++c) {  // the three layouts hold the same bits
           if (tiled[size_t((i / 16) * 16 * kp + (c / 32) * 512 + (i % 16) * 32 + c % 32)] != buf[size_t(i * kp + c)])

@@ -50,9 +50,9 @@ struct GemmArgs {
   const uint16_t* xbf = nullptr;  // x rounded to bf16, [mpad][kp] (avx512_bf16 / amx)
   int64_t mpad = 0;               // rows of xbf: M, or for amx M > 1 rounded up to 16 (zero rows)
   bool xbf_tiles = false;         // amx prefill: xbf in the A-tile order (round_bf16_rows_avx512)
-  // avx512_bf16: xbf as k pairs interleaved over rows, pair (row r, k / 2) the int32 at
-  // xbf + 2 * (k / 2 * xbf_ld + r) (xbf_ld: 1 at M = 1, the row-major layout; else M rounded up to
-  // 16), so a tile's rows are broadcast from one pointer at constant offsets (gemm_avx512.cpp).
+  // avx512_bf16, 9 to kPrefillRows rows: xbf as k pairs interleaved over rows, pair (row r, k / 2)
+  // the int32 at xbf + 2 * (k / 2 * xbf_ld + r) (xbf_ld = M), so a tile's rows are broadcast from
+  // one pointer at constant offsets (gemm_avx512.cpp); 0: [mpad][kp].
   int64_t xbf_ld = 0;
   const int8_t* xi8 = nullptr;    // amx MXFP4: x in two int8 parts, [2][m][kq] (hi rows, then lo rows)
   const float* xrow = nullptr;    // amx MXFP4: per row, 1 / (128 * 127 / max|x|) (NaN: a non-finite x)
@@ -118,10 +118,10 @@ void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t 
 // (quieted): the activations of the avx512_bf16 and amx BF16 kernels (tests/test_gemm.py checks
 // it against numpy through _C.round_bf16). Row i of x is row row0 + i of out: [mpad][kp], or
 // with tiles the AMX A-tile order [mpad / 16][kp / 32][16][32] (one 1 KB tile per 16 rows and 32 k),
-// or with pairs_ld (a multiple of 16; row0 too) the k pairs interleaved over rows of GemmArgs::xbf_ld
-// (rows up to the next multiple of 16 written as zeros).
+// or with pairs_ld (the call's rows) the k pairs interleaved over rows (GemmArgs::xbf_ld).
 void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, uint16_t* out,
                             int64_t row0, bool tiles, int64_t pairs_ld = 0);
+
 
 // Q8 activation quantization (per 32-block of a row); every implementation is bit-identical.
 void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,

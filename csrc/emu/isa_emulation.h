@@ -55,6 +55,10 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
     if (k >> i & 1) std::memcpy(static_cast<float*>(p) + i, &v[i], 4);
 }
 
+inline void mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i a) {
+  mask_storeu_ps(p, k, simde_mm512_castsi512_ps(a));
+}
+
 inline simde__m512i maskz_loadu_epi32(simde__mmask16 k, const void* p) {
   return simde_mm512_castps_si512(maskz_loadu_ps(k, p));
 }
@@ -196,6 +200,8 @@ inline void tile_dpbssd(int c, int a, int b) {
 #define _mm512_maskz_loadu_ps(k, p) qspec_emu::maskz_loadu_ps(k, p)
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps(p, k, a) qspec_emu::mask_storeu_ps(p, k, a)
+#undef _mm512_mask_storeu_epi32
+#define _mm512_mask_storeu_epi32(p, k, a) qspec_emu::mask_storeu_epi32(p, k, a)
 #undef _mm512_maskz_loadu_epi32
 #define _mm512_maskz_loadu_epi32(k, p) qspec_emu::maskz_loadu_epi32(k, p)
 #undef _mm512_cmpgt_epu32_mask

@@ -60,7 +60,9 @@ void bf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1
 }
 
 // ----------------------------------------------------------------------------- BF16, bf16 x
-template <int MB, int NB>
+// x row-major (one pointer a row: tiles of <= 8 rows) or, with PAIRS, its k pairs interleaved over
+// the rows (a verify's tiles of 9-16 rows: one pointer, rows at constant offsets).
+template <int MB, int NB, bool PAIRS>
 void dpbf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
   acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   __m512 c[MB][NB];
@@ -69,17 +71,19 @@ void dpbf16_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t 
       c[i][j] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_row(acc, i) + j * 16);
   const uint16_t* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = reinterpret_cast<const uint16_t*>(a.data) + (nb + j) * a.kp * 16;
-  const int64_t ld = a.xbf_ld;  // k pairs interleaved over rows: one pointer, rows at constant offsets
-  const int32_t* x = reinterpret_cast<const int32_t*>(a.xbf) + m0;
+  const int64_t ld = PAIRS ? a.xbf_ld : 1;  // pair (row i, k / 2) at x[0] + k * ld + 2 * i with PAIRS
+  const uint16_t* x[PAIRS ? 1 : MB];
+  for (int i = 0; i < (PAIRS ? 1 : MB); ++i) x[i] = a.xbf + (PAIRS ? 2 * m0 : (m0 + i) * a.kp);
   for (int64_t k = k0; k < k1; k += 2) {
     __m512i v[NB];
     for (int j = 0; j < NB; ++j) {
       _mm_prefetch(stream_ahead(w[j], k * 32, kPrefetchK * 32, a.kp * 32, NB * a.kp * 32), _MM_HINT_T0);
       v[j] = _mm512_loadu_si512(w[j] + k * 16);
     }
-    const int32_t* xk = x + k / 2 * ld;
     for (int i = 0; i < MB; ++i) {
-      const __m512i xp = _mm512_set1_epi32(xk[i]);
+      int32_t pair;
+      std::memcpy(&pair, PAIRS ? x[0] + k * ld + 2 * i : x[i] + k, 4);
+      const __m512i xp = _mm512_set1_epi32(pair);
       for (int j = 0; j < NB; ++j) c[i][j] = _mm512_dpbf16_ps(c[i][j], (__m512bh)v[j], (__m512bh)xp);
     }
   }
@@ -167,6 +171,7 @@ struct TileTable {
   TileTable() { row<1>(); row<2>(); row<3>(); row<4>(); row<5>(); row<6>(); row<7>(); row<8>(); }
 };
 
+template <int MB, int NB> struct DpT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { dpbf16_tile<MB, NB, false>(a, nb, m0, k0, k1, acc, init); } };
 template <int MB, int NB> struct Bf16T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
 template <int MB, int NB> struct Q4T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
 
@@ -200,13 +205,14 @@ void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const T
 // Row blocks per tile of the fp32-activation paths: 4 for a GEMV, 2 up to 4 rows, then 1.
 int narrow_blocks(int64_t m) { return m == 1 ? 4 : m <= 4 ? 2 : 1; }
 
-// vdpbf16ps tiles of up to kDpMB rows: those with MB * NB <= 24 accumulators, or NB = 1.
+// vdpbf16ps tiles of up to kDpMB rows over interleaved k pairs: those with MB * NB <= 24
+// accumulators, or NB = 1.
 constexpr int kDpMB = 16;
 struct DpTable {
   TileFn t[kDpMB][kNB] = {};
   template <int MB, int NB>
   static void fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
-    dpbf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init);
+    dpbf16_tile<MB, NB, true>(a, nb, m0, k0, k1, acc, init);
   }
   template <int MB, int NB>
   void put() {
@@ -220,7 +226,8 @@ struct DpTable {
 };
 
 const TileTable<Bf16T>& bf16_table() { static const TileTable<Bf16T> t; return t; }
-const DpTable& dp_table() { static const DpTable t; return t; }
+const TileTable<DpT>& dp_table() { static const TileTable<DpT> t; return t; }
+const DpTable& dp_pairs_table() { static const DpTable t; return t; }
 const TileTable<Q4T>& q4_table() { static const TileTable<Q4T> t; return t; }
 
 }  // namespace
@@ -278,9 +285,10 @@ inline void transpose16(__m512i r[16]) {
 void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, uint16_t* out,
                             int64_t row0, bool tiles, int64_t pairs_ld) {
   if (pairs_ld) {  // 16 rows x 16 k pairs at a time, transposed: pair j of row r at j * pairs_ld + r
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out);
+    int32_t* dst = reinterpret_cast<int32_t*>(out);
     for (int64_t g = 0; g < m; g += 16) {
-      const int64_t rows = m - g < 16 ? m - g : 16;
+      const int rows = int(m - g < 16 ? m - g : 16);
+      const __mmask16 live = __mmask16((1u << rows) - 1);
       for (int64_t c = 0; c < kp; c += 32) {
         __m512i r[16];
         for (int i = 0; i < 16; ++i) {
@@ -289,7 +297,7 @@ void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, i
                           : _mm512_setzero_si512();
         }
         transpose16(r);
-        for (int t = 0; t < 16; ++t) _mm512_storeu_si512(dst + (c / 2 + t) * pairs_ld + row0 + g, r[t]);
+        for (int t = 0; t < 16; ++t) _mm512_mask_storeu_epi32(dst + (c / 2 + t) * pairs_ld + row0 + g, live, r[t]);
       }
     }
     return;
@@ -304,20 +312,21 @@ void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, i
   }
 }
 
-// vdpbf16ps: M > 1 in row tiles split evenly, of at most 16 rows for a verify (up to kPrefillRows:
-// 9-16 rows in one pass over the weights, 17-24 in two) and 8 for a prefill, and as many row blocks
-// as keep ~24 accumulator chains in flight (rows x blocks; + blocks weight vectors + one broadcast
-// <= 32 zmm), so the product latency is covered and each broadcast pair of x serves several weight
-// vectors. Zen 4, Qwen2.5-Coder-1.5B's GEMMs, 2 threads: 9 rows in one tile took 0.57-0.66x the time
-// of two (5 + 4), 12 rows 0.67x, 17 rows (9 + 8) 0.86x of three. Which tile a row lands in never
+// vdpbf16ps: M > 1 in row tiles split evenly, of at most 8 rows, or 16 for a verify of 9-24 rows
+// (x in interleaved k pairs, xbf_ld: 9-16 rows in one pass over the weights, 17-24 in two), and as
+// many row blocks as keep ~24 accumulator chains in flight (rows x blocks; + blocks weight vectors +
+// one broadcast <= 32 zmm), so the product latency is covered and each broadcast pair of x serves
+// several weight vectors. Zen 4, Qwen2.5-Coder-1.5B's GEMMs, 2 threads, paired with a one-row pass:
+// 9 rows 1.09-1.34 one-row passes against 1.91-1.96 as two tiles (5 + 4), 12 rows 1.13-1.48 against
+// 2.04-2.06, 17 rows (9 + 8) 1.74-2.46 against 2.60-2.95 as three. Which tile a row lands in never
 // changes its arithmetic (one chain per output over k, spilled to acc exactly between k chunks):
 // rows stay batch invariant.
 void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   if (a.m == 1) return run_blocks(a, nb0, nb1, acc, dp_table().t, 1, 32, 4);
-  const int64_t mb = a.m > kPrefillRows ? kMB : kDpMB;
+  const int64_t mb = a.xbf_ld ? kDpMB : kMB;
   const int64_t tiles = (a.m + mb - 1) / mb;
   const int rows = int((a.m + tiles - 1) / tiles);
-  run_blocks(a, nb0, nb1, acc, dp_table().t, rows, 32, std::max(1, std::min(kNB, 24 / rows)));
+  run_blocks(a, nb0, nb1, acc, a.xbf_ld ? dp_pairs_table().t : dp_table().t, rows, 32, std::max(1, std::min(kNB, 24 / rows)));
 }
 
 }  // namespace detail
