@@ -99,6 +99,26 @@ def test_mx_chains_are_lossless(chain_engine):
         check_chain_lossless(chain_engine, prompts[:1], 6, [(3, [3, 2, 4])], isa)
 
 
+def test_an_end_of_sequence_token_mid_run_ends_the_cache_there(chain_engine):
+    """A round whose accepted run holds an end-of-sequence token commits nothing past it: with
+    each of several tokens of the plain output taken as the EOS, the output stops at its first
+    occurrence and the cache holds the prompt and every emitted token but the last."""
+    eng = chain_engine
+    prompt = repetitive_prompts()[0]
+    ids = eng.encode_prompt(prompt)
+    plain = eng.generate(prompt, max_new_tokens=24, speculative=False).tokens
+    saved = eng.eos_ids
+    try:
+        for j in range(3, 22, 2):
+            first = plain.index(plain[j])
+            eng.eos_ids = {plain[j]}
+            with running(eng, ids, max_new_tokens=24, draft_max=[6, 3, 8]) as (tokens, kv, s):
+                assert tokens == plain[:first + 1]
+                assert kv.length == len(ids) + len(tokens) - 1, f"EOS at {first}"
+    finally:
+        eng.eos_ids = saved
+
+
 def test_chain_levels_draft_and_share_the_cache(chain_engine):
     eng = chain_engine
     ids = eng.encode_prompt(repetitive_prompts()[0])
