@@ -293,7 +293,7 @@ GemmArgs rows_of(const GemmArgs& a, int64_t m0, int64_t m) {
     c.xd = a.xd + m0 * (a.kp / kKBlk);
     c.xc = a.xc + m0 * (a.kp / kKBlk);
   }
-  if (a.xbf) c.xbf = a.xbf_ld ? a.xbf + 2 * m0 : a.xbf + m0 * a.kp;
+  if (a.xbf) c.xbf = a.xbf + m0 * a.kp;  // prefill chunks: row-major (xbf_ld = 0)
   c.y = a.y + m0 * a.ldy;
   return c;
 }
@@ -464,7 +464,7 @@ GemmArgs args_of(const PackedWeight& w, int64_t m, float* y, int64_t ldy) {
 
 // x rows rounded to bf16 for the avx512_bf16 / amx kernels: [mpad][kp] (padding rows and
 // columns zero), in the A-tile order (tiles, amx prefill), or with their k pairs interleaved over
-// pairs_ld rows (avx512_bf16, M > 1: GemmArgs::xbf_ld).
+// pairs_ld rows (avx512_bf16, a verify's 9-24 rows: GemmArgs::xbf_ld).
 void round_bf16_act(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int64_t mpad, bool tiles,
                     uint16_t* xb, int64_t pairs_ld) {
   // padding rows: zero (in the A-tile order they share the last row tile with real rows; the pairs

@@ -122,7 +122,6 @@ void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t 
 void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, uint16_t* out,
                             int64_t row0, bool tiles, int64_t pairs_ld = 0);
 
-
 // Q8 activation quantization (per 32-block of a row); every implementation is bit-identical.
 void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,
                      float* xd, int32_t* xc);
