@@ -154,24 +154,28 @@ void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, float*, bool);
 constexpr int kMB = 8, kNB = 4;
 
-template <template <int, int> class F>
+// Tiles of 1..MaxMB rows x 1..kNB row blocks; those past the register budget (more than 24
+// accumulators with 2+ blocks) are never chosen and left out.
+template <template <int, int> class F, int MaxMB = kMB>
 struct TileTable {
-  TileFn t[kMB][kNB];
+  TileFn t[MaxMB][kNB] = {};
   template <int MB, int NB>
   static void fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
     F<MB, NB>::run(a, nb, m0, k0, k1, acc, init);
   }
-  template <int MB>
-  void row() {
-    t[MB - 1][0] = fn<MB, 1>;
-    t[MB - 1][1] = fn<MB, 2>;
-    t[MB - 1][2] = fn<MB, 3>;
-    t[MB - 1][3] = fn<MB, 4>;
+  template <int MB, int NB>
+  void put() {
+    if constexpr (MB * NB <= 24 || NB == 1) t[MB - 1][NB - 1] = fn<MB, NB>;
   }
-  TileTable() { row<1>(); row<2>(); row<3>(); row<4>(); row<5>(); row<6>(); row<7>(); row<8>(); }
+  template <int MB>
+  void row() { put<MB, 1>(); put<MB, 2>(); put<MB, 3>(); put<MB, 4>(); }
+  template <int... I>
+  void rows(std::integer_sequence<int, I...>) { (row<I + 1>(), ...); }
+  TileTable() { rows(std::make_integer_sequence<int, MaxMB>()); }
 };
 
 template <int MB, int NB> struct DpT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { dpbf16_tile<MB, NB, false>(a, nb, m0, k0, k1, acc, init); } };
+template <int MB, int NB> struct DpPairsT { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { dpbf16_tile<MB, NB, true>(a, nb, m0, k0, k1, acc, init); } };
 template <int MB, int NB> struct Bf16T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
 template <int MB, int NB> struct Q4T { static void run(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); } };
 
@@ -205,29 +209,11 @@ void run_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc, const T
 // Row blocks per tile of the fp32-activation paths: 4 for a GEMV, 2 up to 4 rows, then 1.
 int narrow_blocks(int64_t m) { return m == 1 ? 4 : m <= 4 ? 2 : 1; }
 
-// vdpbf16ps tiles of up to kDpMB rows over interleaved k pairs: those with MB * NB <= 24
-// accumulators, or NB = 1.
-constexpr int kDpMB = 16;
-struct DpTable {
-  TileFn t[kDpMB][kNB] = {};
-  template <int MB, int NB>
-  static void fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
-    dpbf16_tile<MB, NB, true>(a, nb, m0, k0, k1, acc, init);
-  }
-  template <int MB, int NB>
-  void put() {
-    if constexpr (MB * NB <= 24 || NB == 1) t[MB - 1][NB - 1] = fn<MB, NB>;
-  }
-  template <int MB>
-  void row() { put<MB, 1>(); put<MB, 2>(); put<MB, 3>(); put<MB, 4>(); }
-  template <int... I>
-  void rows(std::integer_sequence<int, I...>) { (row<I + 1>(), ...); }
-  DpTable() { rows(std::make_integer_sequence<int, kDpMB>()); }
-};
+constexpr int kDpMB = 16;  // vdpbf16ps tiles over interleaved k pairs: up to 16 rows
 
 const TileTable<Bf16T>& bf16_table() { static const TileTable<Bf16T> t; return t; }
 const TileTable<DpT>& dp_table() { static const TileTable<DpT> t; return t; }
-const DpTable& dp_pairs_table() { static const DpTable t; return t; }
+const TileTable<DpPairsT, kDpMB>& dp_pairs_table() { static const TileTable<DpPairsT, kDpMB> t; return t; }
 const TileTable<Q4T>& q4_table() { static const TileTable<Q4T> t; return t; }
 
 }  // namespace
