@@ -1,25 +1,23 @@
 // AVX-512F attention: one call computes several (row, head) pairs of ONE KV head (see
-// attention.h), head_dim a multiple of 8. Per pair:
-//   1. scores: per key one FMA chain over head_dim in order from element 0 (q[d] · K[d], d = 0,
-//      1, ..), then · scale. K is turned so a vector lane holds a key (16 keys' rows as 16 x 16
-//      dword transposes of BF16 pairs, split into FP32 exactly), once per block for every pair of
-//      the call; tiles of up to 6 pairs x 32 keys broadcast q[d] and share each load of K, with no
-//      reduction across lanes;
+// attention.h), head_dim a multiple of 8. Same structure as the buffer path of
+// attention_avx2.cpp (read that file's header for the batch-invariance argument), in natural
+// column order (no even/odd layout, no register-tile path); per pair:
+//   1. scores: keys in blocks of 8 counted from key 0; per key one FMA chain over head_dim in
+//      chunks of 16 (then 8 with zero upper lanes if head_dim % 16 == 8), each key's 16 lanes
+//      folded to 8 and the 8 keys reduced by one fixed hadd tree, · scale;
 //   2. exp(s - max) with Σ as 16 lane-wise partial sums over blocks from key 0, then one
 //      horizontal reduction;
 //   3. per output column one FMA chain over keys 0..p in order, then · (1/Σ).
-// K and V are streamed in super-blocks (multiple of 16 keys, ~16 KB FP32) converted once (exact)
-// into an FP32 block shared by all pairs of the call; each pair uses only keys 0..p of it (the
-// lanes of keys past p are computed and dropped: each lane depends on its own key only). No
-// cache row beyond the call's last row is read. A score's bits depend only on q and its key, so
-// a row's output is the same whatever the other rows, the tiles or the blocks (batch
-// invariance). Tree rows (attention.h AttnTree): the keys all rows share (below the prefix,
-// rounded down to 8) are streamed as above, then each row's remaining logical keys are gathered
-// from their slots into a block of the same form and run through the same functions,
-// continuing the same max, Σ and V chains.
+// K and V are streamed in super-blocks (multiple of 8 keys, ~16 KB FP32) converted once (exact)
+// into an FP32 block shared by all pairs of the call; each pair uses only keys 0..p of it (a
+// partial last block computes lanes for keys it then drops; each tree lane depends on its own
+// key only). No cache row beyond the call's last row is read. Tree rows (attention.h AttnTree):
+// the keys all rows share (below the prefix, rounded down to 8) are streamed as above, then each
+// row's remaining logical keys are gathered from their slots into an FP32 block of the same form
+// and run through the same functions, continuing the same blocks of 8, max, Σ and V chains.
 //
 // tests/test_attention.py checks it against the float64 oracle and for bit-exact batch invariance
-// on AVX-512 hardware and under emulation (tests/test_isa_emulation.py).
+// on AVX-512 hardware (a Sapphire Rapids VM) and under emulation (tests/test_isa_emulation.py).
 #include <immintrin.h>
 
 #include <cmath>
@@ -44,15 +42,31 @@ inline __m512 load_bf16x8_lo(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
+// 16 lanes -> 8 (lo + hi halves), then 8 such vectors -> [Σa0 .. Σa7] with a fixed add tree.
+inline __m256 fold(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+
+inline __m256 hsum8x8(const __m512 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(fold(a[0]), fold(a[1]));
+  const __m256 t1 = _mm256_hadd_ps(fold(a[2]), fold(a[3]));
+  const __m256 t2 = _mm256_hadd_ps(fold(a[4]), fold(a[5]));
+  const __m256 t3 = _mm256_hadd_ps(fold(a[6]), fold(a[7]));
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+
 // Per-thread scratch lives in baseline code (attention.cpp): STL templates instantiated in
 // an ISA file could be the copy the linker keeps for baseline callers (SIGILL on older CPUs).
 inline float* scratch_floats(int64_t n) { return attn_thread_scratch(n); }
 
 inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
-inline int64_t round16(int64_t x) { return (x + 15) & ~int64_t(15); }
 
-// V rows: dst[t · hd + d] = src key t (t < nk), exact BF16 -> FP32.
-void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t hd, float* dst) {
+// dst[t · hd + d] = src key t (t < nk), exact BF16 -> FP32; keys nk .. nk_pad - 1 zeroed.
+void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t nk_pad, int64_t hd,
+                   float* dst) {
   const int64_t hd16 = hd & ~int64_t(15);
   for (int64_t t = 0; t < nk; ++t) {
     for (int64_t d = 0; d < hd16; d += 16)
@@ -60,97 +74,51 @@ void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t hd, 
     if (hd16 < hd)
       _mm256_storeu_ps(dst + t * hd + hd16, _mm512_castps512_ps256(load_bf16x8_lo(src + t * stride + hd16)));
   }
+  for (int64_t t = nk; t < nk_pad; ++t)
+    for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(dst + t * hd + d, _mm256_setzero_ps());
 }
 
-// kT + 16 · g · hd: keys 16g .. 16g + 15 of a block as hd rows of 16 FP32 lanes (row d = element
-// d of each key, exact), rows[t] = key t's BF16 row (t < nk); lanes of keys past nk are zero.
-void transpose_keys(const uint16_t* const* rows, int64_t nk, int64_t hd, float* kT) {
-  const __m512i hi_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
-  for (int64_t g = 0; g * 16 < nk; ++g) {
-    const int64_t live = nk - 16 * g < 16 ? nk - 16 * g : 16;
-    float* dst = kT + 16 * g * hd;
-    for (int64_t c = 0; c < hd; c += 32) {  // 16 dwords (BF16 pairs) of each key
-      const int64_t units = hd - c < 32 ? (hd - c) / 2 : 16;
-      const __mmask16 m = units == 16 ? __mmask16(0xFFFF) : __mmask16((1u << units) - 1);
-      __m512 r[16];
-      for (int64_t t = 0; t < 16; ++t)
-        r[t] = t < live ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, rows[16 * g + t] + c))
-                        : _mm512_setzero_ps();
-      avx512::transpose16(r);
-      for (int64_t i = 0; i < units; ++i) {  // dword i: elements c + 2i (low half), c + 2i + 1
-        const __m512i v = _mm512_castps_si512(r[i]);
-        _mm512_storeu_ps(dst + (c + 2 * i) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-        _mm512_storeu_ps(dst + (c + 2 * i + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(v, hi_half)));
-      }
-    }
-  }
-}
-
-struct ScorePair {  // one pair's share of a block in pass 1
-  const float* q;   // head_dim values
-  float* sc;        // the score of the block's key t goes to sc[t]
-  float* vmax;      // running max (8 lanes)
-  int64_t nk;       // keys of the block it keeps
-};
-
-// Pass 1 for P pairs over NG 16-key groups from group g0 of the transposed block kT: per key one
-// FMA chain over d from 0, · scale; lanes past a pair's nk are neither stored nor maxed.
-template <int HD, int P, int NG>
-inline void score_tile(const float* kT, int64_t hd_rt, int64_t g0, const ScorePair* ps, __m512 vscale) {
-  const int64_t hd = HD > 0 ? HD : hd_rt;
-  const float* k = kT + 16 * g0 * hd;
-  const float* q[P];
-  __m512 acc[P][NG];
-#pragma GCC unroll 8
-  for (int p = 0; p < P; ++p) {
-    q[p] = ps[p].q;
-    for (int g = 0; g < NG; ++g) acc[p][g] = _mm512_setzero_ps();
-  }
-  for (int64_t d = 0; d < hd; ++d) {
-    __m512 kv[NG];
-    for (int g = 0; g < NG; ++g) kv[g] = _mm512_loadu_ps(k + g * 16 * hd + d * 16);
-#pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) {
-      const __m512 qb = _mm512_set1_ps(q[p][d]);
-      for (int g = 0; g < NG; ++g) acc[p][g] = _mm512_fmadd_ps(qb, kv[g], acc[p][g]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int p = 0; p < P; ++p) {
-    __m256 vmax = _mm256_loadu_ps(ps[p].vmax);
-    for (int g = 0; g < NG; ++g) {
-      const int64_t live = ps[p].nk - 16 * (g0 + g);
-      if (live <= 0) break;
-      const __mmask16 m = live >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
-      const __m512 s = _mm512_mul_ps(acc[p][g], vscale);
-      _mm512_mask_storeu_ps(ps[p].sc + 16 * (g0 + g), m, s);
-      const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, s);
-      vmax = _mm256_max_ps(vmax, _mm256_max_ps(_mm512_castps512_ps256(sm), _mm512_extractf32x8_ps(sm, 1)));
-    }
-    _mm256_storeu_ps(ps[p].vmax, vmax);
-  }
-}
-
-template <int HD, int P>
-inline void score_pairs_p(const float* kT, int64_t hd, int64_t ng, const ScorePair* ps, __m512 vscale) {
-  int64_t g = 0;
-  for (; g + 2 <= ng; g += 2) score_tile<HD, P, 2>(kT, hd, g, ps, vscale);
-  if (g < ng) score_tile<HD, P, 1>(kT, hd, g, ps, vscale);
-}
-
-// Pass 1 for n pairs over a transposed block of ng groups.
+// Scores of 8 consecutive keys (FP32 rows kb[t · hd ..]); lane t = q·K_t before scaling.
 template <int HD>
-void score_pairs(const float* kT, int64_t hd, int64_t ng, const ScorePair* ps, int64_t n, __m512 vscale) {
-  int64_t p = 0;
-  for (; p + 6 <= n; p += 6) score_pairs_p<HD, 6>(kT, hd, ng, ps + p, vscale);
-  switch (n - p) {
-    case 5: score_pairs_p<HD, 5>(kT, hd, ng, ps + p, vscale); break;
-    case 4: score_pairs_p<HD, 4>(kT, hd, ng, ps + p, vscale); break;
-    case 3: score_pairs_p<HD, 3>(kT, hd, ng, ps + p, vscale); break;
-    case 2: score_pairs_p<HD, 2>(kT, hd, ng, ps + p, vscale); break;
-    case 1: score_pairs_p<HD, 1>(kT, hd, ng, ps + p, vscale); break;
+inline __m256 dot8(const float* q, const float* kb, int64_t hd_rt) {
+  const int64_t hd = HD > 0 ? HD : hd_rt;
+  const int64_t hd16 = hd & ~int64_t(15);
+  __m512 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < hd16; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + d), acc[t]);
   }
+  if (hd16 < hd) {  // q and K lanes 8..15 zero, as in the single-pair kernel's tail
+    const __m512 q_tail = _mm512_maskz_loadu_ps(0x00FF, q + hd16);
+    for (int t = 0; t < 8; ++t)
+      acc[t] = _mm512_fmadd_ps(q_tail, _mm512_maskz_loadu_ps(0x00FF, kb + t * hd + hd16), acc[t]);
+  }
+  return hsum8x8(acc);
 }
+
+// Pass 1 for one pair over keys [b0, e) of the current K super-block (kbuf row 0 = key b0).
+template <int HD>
+void scores_block(const float* q, const float* kbuf, int64_t hd, int64_t b0, int64_t e,
+                  int64_t n, __m256 vscale, float* sc, __m256* vmax_io) {
+  __m256 vmax = *vmax_io;
+  for (int64_t j0 = b0; j0 < e; j0 += 8) {
+    const __m256 s = _mm256_mul_ps(dot8<HD>(q, kbuf + (j0 - b0) * hd, hd), vscale);
+    const int64_t nk = n - j0 < 8 ? n - j0 : 8;
+    if (nk == 8) {
+      _mm256_storeu_ps(sc + j0, s);
+      vmax = _mm256_max_ps(vmax, s);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, s);
+      for (int t = 0; t < nk; ++t) sc[j0 + t] = tmp[t];
+      for (int t = int(nk); t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
+      vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
+    }
+  }
+  *vmax_io = vmax;
+}
+
 
 // Pass 3 for NC·16 columns of one pair over keys [b0, e) of the current V super-block; running
 // sums in accp between super-blocks (one FMA chain per column over keys 0..p).
@@ -193,10 +161,10 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // (its path, plus < 8 prefix keys) are gathered per row into tbuf. Linear: n_sh = n_max.
   const int64_t n_sh = attn_shared_end(a, n_max);
   const int64_t t0 = n_sh > kbeg ? n_sh : kbeg;
-  const int64_t tb = n_max > t0 ? round16(n_max - t0) : 0;
+  const int64_t tb = n_max > t0 ? round8(n_max - t0) : 0;
   const int64_t sc_stride = round8(n_max) + 16;
-  int64_t kb = (4096 / hd) & ~int64_t(15);  // keys per super-block: ~16 KB of FP32
-  if (kb < 16) kb = 16;
+  int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: ~16 KB of FP32
+  if (kb < 8) kb = 8;
 
   // Scratch: K/V super-block | scores per pair | V accumulators per pair | running max per pair
   // | tree tail.
@@ -209,60 +177,50 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
-  auto q_of = [&](int64_t u) { return a.q + (row_of(u) * a.n_heads + head_of(u)) * hd; };
   auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };  // keys 0..p
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
-  const __m512 vscale = _mm512_set1_ps(a.scale);
+  const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) _mm256_storeu_ps(vmaxs + u * 8, _mm256_set1_ps(-INFINITY));
 
-  // Pass 1: stream K once, each block turned keys-in-lanes for every pair that reads it.
-  constexpr int64_t kListPairs = 48;
-  ScorePair ps[kListPairs];
-  const uint16_t* rows[kAttnSegKeys];
+  // Tree tail of pair u's row: logical keys [t0, n) into tbuf (zero-padded to 8), as the
+  // super-block would hold them; once per row (a row's pairs are consecutive).
+  int64_t tail_row = -1;
+  auto load_tail = [&](int64_t u, int kv_index) {
+    if (row_of(u) == tail_row) return;
+    tail_row = row_of(u);
+    const int64_t n = n_of(u);
+    for (int64_t j = t0; j < n; ++j) {
+      const int64_t slot = attn_key_slot(a, tail_row, j);
+      const uint16_t* src = (kv_index ? a.kv.v(a.layer, slot) : a.kv.k(a.layer, slot)) + kvh * hd;
+      convert_block(src, stride, 1, 1, hd, tbuf + (j - t0) * hd);
+    }
+    convert_block(nullptr, stride, 0, round8(n - t0) - (n - t0), hd, tbuf + (n - t0) * hd);
+  };
+
+  // Pass 1: stream K once.
   for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
     b1 = attn_block_end(a, b0, kb, n_sh);  // within one page
-    const uint16_t* k0 = a.kv.k(a.layer, b0) + kvh * hd;
-    for (int64_t t = 0; t < b1 - b0; ++t) rows[t] = k0 + t * stride;
-    transpose_keys(rows, b1 - b0, hd, kvbuf);
-    int64_t n_ps = 0;
+    convert_block(a.kv.k(a.layer, b0) + kvh * hd, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
-      const int64_t e = b1 < n_of(u) ? b1 : n_of(u);
+      const int64_t n = n_of(u);
+      const int64_t e = b1 < n ? b1 : n;
       if (e <= b0) continue;
-      ps[n_ps++] = {q_of(u), scores + u * sc_stride + b0, vmaxs + u * 8, e - b0};
-      if (n_ps == kListPairs) score_pairs<HD>(kvbuf, hd, round16(b1 - b0) / 16, ps, n_ps, vscale), n_ps = 0;
+      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
+      scores_block<HD>(q, kvbuf, hd, b0, e, n, vscale, scores + u * sc_stride, &vmax);
+      _mm256_storeu_ps(vmaxs + u * 8, vmax);
     }
-    if (n_ps) score_pairs<HD>(kvbuf, hd, round16(b1 - b0) / 16, ps, n_ps, vscale);
   }
-  // Tree tails: a row's logical keys [t0, n) gathered from their slots (a row's pairs are
-  // consecutive), in the super-block's form.
-  auto gather_tail = [&](int64_t row, int kv_index) {
-    const int64_t p1 = attn_row_pos(a, row) + 1, n = p1 < kcap ? p1 : kcap;
-    for (int64_t j = t0; j < n; ++j) {
-      const int64_t slot = attn_key_slot(a, row, j);
-      rows[j - t0] = (kv_index ? a.kv.v(a.layer, slot) : a.kv.k(a.layer, slot)) + kvh * hd;
-    }
-    return n - t0;
-  };
-  // A tree row's pairs (consecutive) share its gathered tail.
-  auto row_end = [&](int64_t u) {
-    const int64_t row = row_of(u);
-    while (u < np && row_of(u) == row) ++u;
-    return u;
-  };
   if (tb > 0)
-    for (int64_t u = 0, end; u < np; u = end) {
-      const int64_t row = row_of(u), n = n_of(u);
-      end = row_end(u);
+    for (int64_t u = 0; u < np; ++u) {
+      const int64_t n = n_of(u);
       if (n <= t0) continue;
-      const int64_t nk = gather_tail(row, 0);
-      transpose_keys(rows, nk, hd, tbuf);
-      for (int64_t v = u; v < end; v += kListPairs) {
-        const int64_t n_ps = end - v < kListPairs ? end - v : kListPairs;
-        for (int64_t i = 0; i < n_ps; ++i)
-          ps[i] = {q_of(v + i), scores + (v + i) * sc_stride + t0, vmaxs + (v + i) * 8, n - t0};
-        score_pairs<HD>(tbuf, hd, round16(nk) / 16, ps, n_ps, vscale);
-      }
+      load_tail(u, 0);
+      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
+      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
+      scores_block<HD>(q, tbuf, hd, t0, n, n, vscale, scores + u * sc_stride, &vmax);
+      _mm256_storeu_ps(vmaxs + u * 8, vmax);
     }
 
   // Pass 2: per pair, over its own keys of this segment; Σ and the max go to lanes 0 and 1 of
@@ -290,7 +248,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   };
   for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
     b1 = attn_block_end(a, b0, kb, n_sh);
-    convert_block(a.kv.v(a.layer, b0) + kvh * hd, stride, b1 - b0, hd, kvbuf);
+    convert_block(a.kv.v(a.layer, b0) + kvh * hd, stride, b1 - b0, b1 - b0, hd, kvbuf);
     for (int64_t u = 0; u < np; ++u) {
       const int64_t n = n_of(u);
       const int64_t e = b1 < n ? b1 : n;
@@ -298,14 +256,11 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       v_keys(u, kvbuf, b0, e);
     }
   }
+  tail_row = -1;
   if (tb > 0)
-    for (int64_t u = 0, tail_row = -1; u < np; ++u) {
+    for (int64_t u = 0; u < np; ++u) {
       if (n_of(u) <= t0) continue;
-      if (row_of(u) != tail_row) {
-        tail_row = row_of(u);
-        const int64_t nk = gather_tail(tail_row, 1);
-        for (int64_t t = 0; t < nk; ++t) convert_block(rows[t], stride, 1, hd, tbuf + t * hd);
-      }
+      load_tail(u, 1);
       v_keys(u, tbuf, t0, n_of(u));
     }
 
