@@ -72,13 +72,6 @@ void for_rows(int64_t m, F&& f) {
 // of which the top one may be the weightless n-gram drafter).
 constexpr int kWeightSets = 4;
 
-void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(ss / float(d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * r * w[i];
-}
-
 // Rotate-half RoPE (HF Llama): (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) per head, over the head's
 // first rd columns (rd = hd but for partial rotary; the rest pass through).
 void rope(float* x, int64_t heads, int64_t hd, int64_t rd, const float* cos, const float* sin) {
@@ -368,10 +361,8 @@ class Model {
         std::memcpy(&q_[r * q_n], row, q_n * sizeof(float));
         uint16_t* kd = kv.k(l, pos);
         uint16_t* vd = kv.v(l, pos);
-        for (int64_t i = 0; i < kv_n; ++i) {
-          kd[i] = f32_to_bf16(row[q_n + i]);
-          vd[i] = f32_to_bf16(row[q_n + kv_n + i]);
-        }
+        round_bf16_row(row + q_n, kd, kv_n);
+        round_bf16_row(row + q_n + kv_n, vd, kv_n);
         if (kv.q8k) {  // the draft copy of the rows just written (INT4 K: per group, kv_k4_finalize)
           for (int kv_index = kv.k_bits == 4 ? 1 : 0; kv_index < 2; ++kv_index) {
             const uint16_t* src = kv_index ? vd : kd;
@@ -507,10 +498,32 @@ void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n) {
 }
 
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-  if (int(isa_selected()) >= int(Isa::avx2))
+  const Isa isa = isa_selected();
+  if (int(isa) >= int(Isa::avx512))
+    silu_mul_avx512(gate, up, out, n);
+  else if (isa == Isa::avx2)
     silu_mul_avx2(gate, up, out, n);
   else
     silu_mul_ref(gate, up, out, n);
+}
+
+void rms_norm_ref(const float* x, const float* w, float eps, int64_t d, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * r * w[i];
+}
+
+void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out) {
+  (int(isa_selected()) >= int(Isa::avx2) ? rms_norm_avx2 : rms_norm_ref)(x, w, eps, d, out);
+}
+
+void round_bf16_row(const float* x, uint16_t* out, int64_t n) {
+  if (int(isa_selected()) >= int(Isa::avx2)) {
+    round_bf16_row_avx2(x, out, n);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);
 }
 
 void bind_model(py::module_& m) {
@@ -649,16 +662,42 @@ void bind_model(py::module_& m) {
           "parents): its rows are draft-tree nodes at slots start_pos.. (attention.h), draft_q8: its "
           "attention reads the draft copy kv_q8 (qspec/kv_cache.py), which forward keeps written. "
           "out: the logits, per sequence m rows (all_logits) or its last, in order");
-  m.def("silu_mul", [](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
-                       const std::string& path) {
+  // Row-wise kernels by path, for tests: "ref" (scalar), "avx2", "avx512" (silu_mul only).
+  auto need = [](const std::string& path, bool avx512) {
+    if (path != "ref" && path != "avx2" && !(avx512 && path == "avx512"))
+      throw std::invalid_argument(avx512 ? "path must be ref, avx2 or avx512" : "path must be ref or avx2");
+    const Isa isa = path == "avx512" ? Isa::avx512 : path == "avx2" ? Isa::avx2 : Isa::scalar;
+    if (int(isa_detected()) < int(isa)) throw std::invalid_argument("no " + path + " here");
+  };
+  m.def("silu_mul", [need](py::array_t<float, py::array::c_style> gate, py::array_t<float, py::array::c_style> up,
+                           const std::string& path) {
     if (gate.ndim() != 1 || up.ndim() != 1 || gate.size() != up.size())
       throw std::invalid_argument("gate and up must be float32 vectors of one length");
-    if (path != "ref" && path != "avx2") throw std::invalid_argument("path must be ref or avx2");
-    if (path == "avx2" && int(isa_detected()) < int(Isa::avx2)) throw std::invalid_argument("no AVX2 here");
+    need(path, true);
     py::array_t<float> out(gate.size());
-    (path == "ref" ? silu_mul_ref : silu_mul_avx2)(gate.data(), up.data(), out.mutable_data(), gate.size());
+    (path == "ref" ? silu_mul_ref : path == "avx2" ? silu_mul_avx2 : silu_mul_avx512)(
+        gate.data(), up.data(), out.mutable_data(), gate.size());
     return out;
   }, py::arg("gate"), py::arg("up"), py::arg("path"), "SwiGLU activation kernel (for tests)");
+  m.def("rms_norm", [need](py::array_t<float, py::array::c_style> x, py::array_t<float, py::array::c_style> w,
+                           float eps, const std::string& path) {
+    if (x.ndim() != 1 || w.ndim() != 1 || x.size() != w.size() || x.size() == 0)
+      throw std::invalid_argument("x and w must be non-empty float32 vectors of one length");
+    need(path, false);
+    py::array_t<float> out(x.size());
+    (path == "ref" ? rms_norm_ref : rms_norm_avx2)(x.data(), w.data(), eps, x.size(), out.mutable_data());
+    return out;
+  }, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("path"), "RMSNorm of one row (for tests)");
+  m.def("round_bf16_row", [need](py::array_t<float, py::array::c_style> x, const std::string& path) {
+    if (x.ndim() != 1) throw std::invalid_argument("x must be a float32 vector");
+    need(path, false);
+    py::array_t<uint16_t> out(x.size());
+    if (path == "ref")
+      for (py::ssize_t i = 0; i < x.size(); ++i) out.mutable_data()[i] = f32_to_bf16(x.data()[i]);
+    else
+      round_bf16_row_avx2(x.data(), out.mutable_data(), x.size());
+    return out;
+  }, py::arg("x"), py::arg("path"), "f32 -> bf16 of one row, nearest even (for tests)");
 }
 
 }  // namespace qspec

@@ -19,9 +19,42 @@ def test_silu_mul_paths(n):
     g[:3] = [-100.0, 100.0, 0.0][: min(3, n)]
     u = rng.standard_normal(n).astype(np.float32)
     want = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
-    for path in ["ref"] + (["avx2"] if "avx2" in ISA_LEVELS else []):
+    paths = ["ref"] + [p for p in ("avx2", "avx512") if p in ISA_LEVELS]
+    for path in paths:
         got = _C.silu_mul(g, u, path)
         np.testing.assert_allclose(got, want, rtol=SILU_RTOL, atol=1e-30, err_msg=path)
+    if "avx512" in paths:  # the fused prefill MLP relies on one arithmetic for both widths
+        assert np.array_equal(_C.silu_mul(g, u, "avx512"), _C.silu_mul(g, u, "avx2"))
+
+
+@pytest.mark.parametrize("d", [1, 7, 31, 32, 33, 576, 1536, 1537])
+def test_rms_norm_paths(d):
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal(d) * rng.choice([1e-3, 1.0, 300.0], d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64) + 1e-6) * w
+    for path in ["ref"] + (["avx2"] if "avx2" in ISA_LEVELS else []):
+        got = _C.rms_norm(x, w, 1e-6, path)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30, err_msg=path)
+        assert np.array_equal(got, _C.rms_norm(x.copy(), w, 1e-6, path))  # deterministic
+    with pytest.raises(ValueError, match="path"):
+        _C.rms_norm(x, w, 1e-6, "avx512")
+
+
+@pytest.mark.parametrize("n", [0, 5, 16, 17, 256, 1000])
+def test_round_bf16_row_paths(n):
+    """The vector rounding of K/V rows gives f32_to_bf16's bits: ties to even, NaN stays NaN."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 100).astype(np.float32)
+    bits = x.view(np.uint32)
+    special = np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFF800001,
+                        0x00000001, 0x80000000, 0x7F7F8000], np.uint32)
+    bits[: min(n, special.size)] = special[: min(n, special.size)]
+    u = bits.astype(np.uint64)
+    want = np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    for path in ["ref"] + (["avx2"] if "avx2" in ISA_LEVELS else []):
+        assert np.array_equal(_C.round_bf16_row(x, path), (want & 0xFFFF).astype(np.uint16)), path
 
 
 @pytest.fixture(scope="module")
