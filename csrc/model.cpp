@@ -518,12 +518,12 @@ void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out) 
   (int(isa_selected()) >= int(Isa::avx2) ? rms_norm_avx2 : rms_norm_ref)(x, w, eps, d, out);
 }
 
-void round_bf16_row(const float* x, uint16_t* out, int64_t n) {
-  if (int(isa_selected()) >= int(Isa::avx2)) {
-    round_bf16_row_avx2(x, out, n);
-    return;
-  }
+void round_bf16_row_ref(const float* x, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);
+}
+
+void round_bf16_row(const float* x, uint16_t* out, int64_t n) {
+  (int(isa_selected()) >= int(Isa::avx2) ? round_bf16_row_avx2 : round_bf16_row_ref)(x, out, n);
 }
 
 void bind_model(py::module_& m) {
@@ -692,10 +692,7 @@ void bind_model(py::module_& m) {
     if (x.ndim() != 1) throw std::invalid_argument("x must be a float32 vector");
     need(path, false);
     py::array_t<uint16_t> out(x.size());
-    if (path == "ref")
-      for (py::ssize_t i = 0; i < x.size(); ++i) out.mutable_data()[i] = f32_to_bf16(x.data()[i]);
-    else
-      round_bf16_row_avx2(x.data(), out.mutable_data(), x.size());
+    (path == "ref" ? round_bf16_row_ref : round_bf16_row_avx2)(x.data(), out.mutable_data(), x.size());
     return out;
   }, py::arg("x"), py::arg("path"), "f32 -> bf16 of one row, nearest even (for tests)");
 }

@@ -14,7 +14,9 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n);
 void rms_norm_ref(const float* x, const float* w, float eps, int64_t d, float* out);
 void rms_norm_avx2(const float* x, const float* w, float eps, int64_t d, float* out);
 void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out);  // by isa_selected()
-// f32_to_bf16 of a row (the same bits on every path).
+// f32_to_bf16 of a row (the same bits on every path; round_bf16_rows_avx512 is the GEMMs' own,
+// into their x layouts).
+void round_bf16_row_ref(const float* x, uint16_t* out, int64_t n);
 void round_bf16_row_avx2(const float* x, uint16_t* out, int64_t n);
 void round_bf16_row(const float* x, uint16_t* out, int64_t n);
 // out[i] = gelu_tanh(gate[i]) * up[i] (Gemma's GeGLU), scalar on every level.
