@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "aligned.h"
 #include "bf16.h"
 #include "bindings.h"
 #include "gemm.h"
@@ -164,10 +165,9 @@ AttnTreePaths::AttnTreePaths(int64_t prefix, const int64_t* parents, int64_t n_p
 }
 
 float* attn_thread_scratch(int64_t n) {
-  thread_local std::vector<float> buf;
-  if (int64_t(buf.size()) < n + 16) buf.resize(n + 16);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+  thread_local LineVector<float> buf;
+  if (int64_t(buf.size()) < n) buf.resize(n);
+  return buf.data();
 }
 
 const char* attn_path_name(AttnPath p) {

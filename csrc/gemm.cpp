@@ -3,6 +3,7 @@
 // the bindings are in gemm_bindings.cpp.
 // Layouts and the arithmetic every path performs are described in gemm.h.
 #include "gemm.h"
+#include "aligned.h"
 
 #include <omp.h>
 #include <pybind11/numpy.h>
@@ -441,7 +442,7 @@ void fit(V& v, int64_t n) {  // grow only
 
 // The calling thread's buffer of bf16 activation rows (at least n; see gemm_path's buffers).
 uint16_t* bf16_rows(int64_t n) {
-  thread_local std::vector<uint16_t> xbf;
+  thread_local LineVector<uint16_t> xbf;
   fit(xbf, n);
   return xbf.data();
 }
@@ -500,7 +501,7 @@ void run_on_pool(void (*kernel)(const GemmArgs&, int64_t, int64_t, float*), cons
   if (weight_bytes * size_t(m) < (size_t(1) << 16)) threads = 1;
   threads = int(std::min<int64_t>(threads, nblk));
   const int64_t scratch = std::max(m * detail::kAccCols, a.xbf_tiles && a.mpad > detail::kAmxPrefillRows ? detail::kAmxPrefillScratch : 0);  // amx prefill
-  thread_local std::vector<float> acc_buf;  // a slot each: any worker may join (kernels initialise it)
+  thread_local LineVector<float> acc_buf;  // a slot each: any worker may join (kernels initialise it)
   fit(acc_buf, scratch * pool.threads());
   float* const acc = acc_buf.data();  // the caller's buffer (a worker's thread_local would be its own)
   GemmTiming& timing = gemm_timing();
@@ -549,10 +550,10 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   // Activations as the kernels read them: rows zero-padded to kp, or Q8, or bf16. The buffers
   // are per calling thread and only grow: a verify pass's bf16 rows (16 x 8960 for a down
   // projection) are past malloc's mmap threshold, and a fresh mapping per call cost page faults.
-  thread_local std::vector<float> xpad;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xd;
-  thread_local std::vector<int32_t> xc;
+  thread_local LineVector<float> xpad;
+  thread_local LineVector<int8_t> xq;
+  thread_local LineVector<float> xd;
+  thread_local LineVector<int32_t> xc;
   const bool q4_tiles = p == GemmPath::amx && a.kind == detail::kQ4;
   const bool bf16_act = p == GemmPath::avx512_bf16 || (p == GemmPath::amx && !q4_tiles);
   if (q4_tiles) {  // two int8 parts per row (gemm_q4_amx.cpp)

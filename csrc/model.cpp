@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "aligned.h"
 #include "attention.h"
 #include "bf16.h"
 #include "bindings.h"
@@ -475,8 +476,8 @@ class Model {
   int64_t draft_window_ = 0, draft_sinks_ = 0, draft_recent_ = 0, draft_sparse_ = 0;
   std::vector<float> cos_[kRopeTables], sin_[kRopeTables];
   int64_t rope_positions_ = 0;
-  std::vector<float> h_, x_, qkv_, q_, att_, gu_, act_, tmp_;  // scratch, reused across calls
-  std::vector<uint16_t> act_bf_;  // the fused prefill MLP's bf16 act rows (gemm_swiglu)
+  LineVector<float> h_, x_, qkv_, q_, att_, gu_, act_, tmp_;  // scratch, reused across calls
+  LineVector<uint16_t> act_bf_;  // the fused prefill MLP's bf16 act rows (gemm_swiglu)
   std::vector<int32_t> row_seq_;
   Profile prof_;
 };

@@ -46,6 +46,19 @@
 // K chunks of 256-768 with 512-1,024-row chunks, 8-64 row blocks a piece, non-temporal y stores,
 // a software prefetch of the next B pair into L2 or L1 (1.0-1.3 TFLOP/s against 1.14-1.27;
 // K chunks of 512 and 1,024-row chunks 10-20% slower).
+//
+// What bounds the prefill loop (a model-167 AMX Xeon with 2 MB of L2 a core, one thread, standalone
+// C++ loops with this file's tile steps; throwaway, not in the repository): TDPBF16PS alone runs
+// at ~3.1 TFLOP/s; 2 x 2 steps over endless streams reach ~2.9 with one operand in L1 and the other
+// in L2, ~2.3 with both in L2, ~0.9 from L3. Zeroing and storing the C tiles every 48 k steps (a
+// tile step over K = 1,536: the tiles are not renamed, so the next step waits for the stores)
+// costs ~20%, and restarting the four streams every tile step another ~20%: this loop's shape
+// measures 1.2-1.35 TFLOP/s with C kept in scratch, ~1.05 storing fp32 y, the same as the driver
+// reaches. No reordering got past that: K chunks of 256-512 with C partials (B of a pair in L1),
+// an A layout contiguous per K chunk, 512-1,024-row chunks, prefetching the next tile step's A and
+// B into L1 (or the next pair's B into L1 / L2), loads issued one step ahead of their products —
+// 0.9-1.4 TFLOP/s in every combination. The driver's buffers must start on a cache line
+// (csrc/aligned.h): 16-byte aligned rows (glibc's malloc) made these calls ~1.4x slower.
 #include <immintrin.h>
 
 #include <cstdint>
