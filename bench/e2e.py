@@ -15,7 +15,9 @@ their own text (where n-gram drafting pays).
 (default: the dev prompts), 128 new tokens, greedy and temperature 0.7: for each prompt
 plain and every speculative setting run back to back (interleaved), so the ratios compare like
 with like. Per setting: tokens/s (median over prompts of per-prompt tok/s), speedup = median of
-per-prompt ratios to plain, acceptance (accepted / drafted), tau (tokens per verify step), and
+per-prompt ratios to plain, total_speedup = all its decoded tokens over all its decode seconds
+against plain's (a setting that wins big on a few prompts and loses a little on many has a total
+above its median), acceptance (accepted / drafted), tau (tokens per verify step), and
 the cost ratios measured directly at a fixed context: c = draft step / target step and
 v(K) = verify of K+1 rows / target step. For a fixed K, two bounds put the measured speedup in
 context: model = tau / (K c + v(K)) (docs/benchmarking.md: what the measured step costs allow, before host
@@ -95,7 +97,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
     n_new = args.max_new or (64 if args.quick else 128)
     rows = []
     table = TableStream(["draft", "draft_kv", "draft_window", "draft_sparse", "k", "draft_p_min", "tree", "temperature", "tokens_per_s",
-                         "speedup", "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup", "ceiling_speedup",
+                         "speedup", "total_speedup", "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup", "ceiling_speedup",
                          "tree_rows", "tree_path", "tau_vs_chain"], widths={"draft": 24})
     for dspec in args.drafts:
         spec, levels = parse_chain_setting(dspec)
@@ -125,7 +127,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
             settings = [(k, pm, "off") for k, pm in args.ks]
             if args.trees:
                 settings += [(k, None, "eq") for k in fixed] + [("auto", None, "auto")]
-            per = {k: {"tps": [], "ratio": [], "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0,
+            per = {k: {"tps": [], "ratio": [], "decoded": 0, "decode_s": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0,
                        "tree_steps": 0, "tree_rows": 0, "tree_path": 0,
                        "levels": {i: [0, 0, 0, 0] for i in range(2, len(eng.levels) + 1)}}
                    for k in ["plain"] + settings}
@@ -133,6 +135,8 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                 kw = dict(max_new_tokens=n_new, temperature=temp, seed=i)
                 base = eng.generate(p, speculative=False, **kw)
                 per["plain"]["tps"].append(base.stats["tokens_per_s"])
+                per["plain"]["decoded"] += base.stats["new_tokens"] - 1
+                per["plain"]["decode_s"] += base.stats["decode_s"]
                 for k, pm, tree in settings:
                     tkw = (dict(tree="off") if tree == "off" else dict(tree="auto") if tree == "auto" else
                            dict(tree="on", tree_width=args.tree_width, tree_depth=k, tree_nodes=k + 1))
@@ -144,6 +148,8 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                         d[{"tree_verify_rows": "tree_rows", "tree_accepted": "tree_path"}.get(key, key)] += s.get(key, 0)
                     d["tps"].append(s["tokens_per_s"])
                     d["ratio"].append(s["tokens_per_s"] / base.stats["tokens_per_s"])
+                    d["decoded"] += s["new_tokens"] - 1
+                    d["decode_s"] += s["decode_s"]
                     d["drafted"] += s["drafted"]
                     d["accepted"] += s["accepted"]
                     d["steps"] += s["steps"]
@@ -153,7 +159,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                             acc[j] += s[f"level{i}_{key}"]
             for key, d in per.items():
                 if key == "plain":
-                    row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0}
+                    row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0, "total_speedup": 1.0}
                 else:
                     k, pm, tree = key
                     pm = DEFAULT_DRAFT_PARAMS.draft_p_min if pm is None else pm
@@ -168,6 +174,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                            "tree_path": d["tree_path"] / d["tree_steps"] if d["tree_steps"] else None,
                            "tau_vs_chain": tau * chain["steps"] / max(1, chain["tokens"]) if chain else None,
                            "speedup": statistics.median(d["ratio"]),
+                           "total_speedup": d["decoded"] / d["decode_s"] * per["plain"]["decode_s"] / per["plain"]["decoded"],
                            "acceptance_rate": d["accepted"] / max(1, d["drafted"]),
                            "tokens_per_step": tau, "c": cr["c"], "v": cr.get(f"v{k}"),
                            "model_speedup": tau / (k * cr["c"] + cr[f"v{k}"]) if fixed_k else None,
