@@ -3,7 +3,6 @@
 // the bindings are in gemm_bindings.cpp.
 // Layouts and the arithmetic every path performs are described in gemm.h.
 #include "gemm.h"
-#include "aligned.h"
 
 #include <omp.h>
 #include <pybind11/numpy.h>
@@ -18,6 +17,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "aligned.h"
 #include "bindings.h"
 #include "gemm_internal.h"
 #include "pool.h"
