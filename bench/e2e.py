@@ -127,7 +127,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
             settings = [(k, pm, "off") for k, pm in args.ks]
             if args.trees:
                 settings += [(k, None, "eq") for k in fixed] + [("auto", None, "auto")]
-            per = {k: {"tps": [], "ratio": [], "decoded": 0, "decode_s": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0,
+            per = {k: {"tps": [], "ratio": [], "decode_s": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0,
                        "tree_steps": 0, "tree_rows": 0, "tree_path": 0,
                        "levels": {i: [0, 0, 0, 0] for i in range(2, len(eng.levels) + 1)}}
                    for k in ["plain"] + settings}
@@ -135,7 +135,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                 kw = dict(max_new_tokens=n_new, temperature=temp, seed=i)
                 base = eng.generate(p, speculative=False, **kw)
                 per["plain"]["tps"].append(base.stats["tokens_per_s"])
-                per["plain"]["decoded"] += base.stats["new_tokens"] - 1
+                per["plain"]["tokens"] += base.stats["new_tokens"] - 1
                 per["plain"]["decode_s"] += base.stats["decode_s"]
                 for k, pm, tree in settings:
                     tkw = (dict(tree="off") if tree == "off" else dict(tree="auto") if tree == "auto" else
@@ -148,7 +148,6 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                         d[{"tree_verify_rows": "tree_rows", "tree_accepted": "tree_path"}.get(key, key)] += s.get(key, 0)
                     d["tps"].append(s["tokens_per_s"])
                     d["ratio"].append(s["tokens_per_s"] / base.stats["tokens_per_s"])
-                    d["decoded"] += s["new_tokens"] - 1
                     d["decode_s"] += s["decode_s"]
                     d["drafted"] += s["drafted"]
                     d["accepted"] += s["accepted"]
@@ -174,7 +173,7 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                            "tree_path": d["tree_path"] / d["tree_steps"] if d["tree_steps"] else None,
                            "tau_vs_chain": tau * chain["steps"] / max(1, chain["tokens"]) if chain else None,
                            "speedup": statistics.median(d["ratio"]),
-                           "total_speedup": d["decoded"] / d["decode_s"] * per["plain"]["decode_s"] / per["plain"]["decoded"],
+                           "total_speedup": d["tokens"] / d["decode_s"] * per["plain"]["decode_s"] / per["plain"]["tokens"],
                            "acceptance_rate": d["accepted"] / max(1, d["drafted"]),
                            "tokens_per_step": tau, "c": cr["c"], "v": cr.get(f"v{k}"),
                            "model_speedup": tau / (k * cr["c"] + cr[f"v{k}"]) if fixed_k else None,
