@@ -3,7 +3,8 @@
 A step at committed length P with `tok` (the last emitted token, not in the cache yet):
   1. draft: the root `tok` at slot P, then depth by depth one batched draft pass over the frontier
      (the `width` nodes of the newest depth with the highest path value = product of the draft's
-     probabilities along the path); each frontier node gets `width` children (greedy: its top
+     probabilities along the path; greedy with a cost model: of the nodes' acceptance estimates,
+     AcceptCal, each <= 1); each frontier node gets `width` children (greedy: its top
      tokens; sampling: i.i.d. samples of its draft distribution q). Draft rows go to slots
      P, P+1, .. in expansion order (backend.forward(tree=(P, parents)), docs: tree-contract).
   2. rerank: all drafted nodes by path value; the best N - 1 are kept (a child never outranks its
@@ -20,6 +21,7 @@ target's linear rows.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,8 +34,9 @@ from .speculative import DRAFT_MAX_LIMIT, CostModel, PerRound
 TREE_MODES = ("auto", "on", "off")
 TREE_WIDTH_LIMIT = 8
 TREE_NODES_LIMIT = 64
-# what "on" uses for a cap left unset (greedy: the cost model still chooses below these)
-DEFAULT_WIDTH, DEFAULT_DEPTH, DEFAULT_NODES = 3, 6, 16
+# what a tree uses for a cap left unset (greedy: the cost model still chooses below these; README
+# "Draft trees": depth 10 and 24 nodes over 6 and 16 once the values are calibrated, AcceptCal)
+DEFAULT_WIDTH, DEFAULT_DEPTH, DEFAULT_NODES = 3, 10, 24
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,9 @@ class Tree:
     tokens: list[int]
     parent: list[int]                  # node index, -1 for the root
     depth: list[int]
-    value: list[float]                 # product of draft probabilities along the path
+    value: list[float]                 # path value: product of the nodes' acceptance estimates
+    rank: list[int] = field(default_factory=lambda: [0])     # greedy: the node's rank among its siblings
+    prob: list[float] = field(default_factory=lambda: [1.0])  # the draft's probability of the node
     q: dict[int, np.ndarray] = field(default_factory=dict)  # sampling: the draft row each node's children were drawn from
 
     def children(self, kept: list[int]) -> dict[int, list[int]]:
@@ -86,10 +91,11 @@ class Tree:
 
 
 def draft_tree(score, tok: int, P: int, width: int, depth: int, max_nodes: int, gen=None,
-               params: SamplingParams | None = None, keep_going=None) -> Tree:
+               params: SamplingParams | None = None, keep_going=None, accept=None) -> Tree:
     """Expand a tree of at most `depth` levels: score(tokens, start_pos, parents) runs a draft pass
     (tree = (P, parents)) and returns its logits. `keep_going(frontier_values)` (greedy, optional)
-    may stop before `depth`. Stops early too when max_nodes - 1 are drafted."""
+    may stop before `depth`. Stops early too when max_nodes - 1 are drafted. A node's value is its
+    parent's times `accept(rank, prob)` (greedy, optional: AcceptCal.estimate), else times prob."""
     t = Tree([tok], [-1], [0], [1.0])
     slot_parents = [-1]            # per draft slot P + j: the slot of its parent
     slot_of = {0: P}               # node -> draft slot
@@ -98,21 +104,23 @@ def draft_tree(score, tok: int, P: int, width: int, depth: int, max_nodes: int, 
         new: list[int] = []
         for f, node in enumerate(frontier):
             row = logits[f]
-            if gen is None:
-                e = np.exp(row - row.max())
-                probs = e / e.sum()
-                top = np.argpartition(-probs, width - 1)[:width] if width < len(probs) else np.arange(len(probs))
-                top = top[np.argsort(-probs[top], kind="stable")]
-                picks = [(int(x), float(probs[x])) for x in top]
+            if gen is None:  # the top `width` logits and their probabilities (one exp pass over the row)
+                top = np.argpartition(row, len(row) - width)[-width:] if width < len(row) else np.arange(len(row))
+                top = top[np.argsort(-row[top], kind="stable")]
+                mx = float(row[top[0]])
+                total = float(np.exp(row - mx).sum(dtype=np.float64))
+                picks = [(int(x), math.exp(float(row[x]) - mx) / total) for x in top]
             else:
                 qrow = warp(row, params)
                 t.q[node] = qrow
                 picks = [(x, float(qrow[x])) for x in (sample(qrow, gen) for _ in range(width))]
-            for x, pr in picks:
+            for r, (x, pr) in enumerate(picks):
                 t.tokens.append(x)
                 t.parent.append(node)
                 t.depth.append(d)
-                t.value.append(t.value[node] * pr)
+                t.rank.append(r)
+                t.prob.append(pr)
+                t.value.append(t.value[node] * (pr if accept is None else accept(r, pr)))
                 new.append(len(t.tokens) - 1)
         if d == depth or len(t.tokens) >= max_nodes:
             break
@@ -206,6 +214,40 @@ def accept_sampled(t: Tree, kept: list[int], rows: np.ndarray, params: SamplingP
         path.append(nxt)
 
 
+class AcceptCal:
+    """Greedy acceptance of a drafted node, learned from the verify passes: the chance that the
+    target's argmax at a node's parent is the node's token, given that the parent was accepted, by
+    the node's rank among its siblings and its draft probability (BINS bins). The draft's
+    probability alone misjudges both: the top child of a 0.5 draft probability is the target's
+    argmax far more often than one time in two, a second child far less often than its
+    probability. Prior: the probability itself, worth PRIOR observations; the counts decay
+    (DECAY per observation of the cell) so the estimate follows the text."""
+
+    RANKS, BINS, PRIOR, DECAY = 3, 10, 4.0, 0.995
+
+    def __init__(self) -> None:
+        self.hits = np.zeros((self.RANKS, self.BINS))
+        self.seen = np.zeros((self.RANKS, self.BINS))
+
+    def _cell(self, rank: int, prob: float) -> tuple[int, int]:
+        return min(rank, self.RANKS - 1), min(int(prob * self.BINS), self.BINS - 1)
+
+    def estimate(self, rank: int, prob: float) -> float:
+        c = self._cell(rank, prob)
+        return (self.hits[c] + self.PRIOR * prob) / (self.seen[c] + self.PRIOR)
+
+    def observe(self, t: Tree, kept: list[int], path: list[int]) -> None:
+        """Every kept child of a node of the accepted path (path: indexes into kept) was tested:
+        accepted if it is the path's next node."""
+        kids = t.children(kept)
+        for j, k in enumerate(path):
+            nxt = kept[path[j + 1]] if j + 1 < len(path) else None
+            for c in kids.get(kept[k], []):
+                cell = self._cell(t.rank[c], t.prob[c])
+                self.hits[cell] = self.hits[cell] * self.DECAY + (c == nxt)
+                self.seen[cell] = self.seen[cell] * self.DECAY + 1.0
+
+
 class TreeCost:
     """Per step choices of the tree from measurements on this machine:
     - the shape: in mode auto, "chain" (today's chain, its own CostModel) or tree widths 2..cap,
@@ -240,6 +282,7 @@ class TreeCost:
         self.c: dict[int, float] = {}          # draft pass seconds per frontier width
         self.verify = CostModel(1.0, TREE_NODES_LIMIT, 1)  # its t_v(M) curve only
         self.verify._explore = []
+        self.accept = AcceptCal()
         self._per_round = PerRound()
 
     def arm(self, round: int | None = None):
@@ -343,7 +386,8 @@ class TreeRunner:
         if cost is not None and self.gen is None and p.depth is None:
             keep_going = lambda vals: cost.keep_going(arm, vals)  # noqa: E731
         t = draft_tree(score, tok, P, width, depth, cap if self.gen is not None else 10 ** 9,
-                       self.gen, self.sp, keep_going)
+                       self.gen, self.sp, keep_going,
+                       cost.accept.estimate if cost is not None and self.gen is None else None)
         t1 = time.perf_counter()
         n = cost.nodes(t, cap, t1 - t0) if cost is not None and self.gen is None else cap
         kept = select(t, n, self.gen is not None)
@@ -352,6 +396,8 @@ class TreeRunner:
         t2 = time.perf_counter()
         if self.gen is None:
             path, new = accept_greedy(t, kept, rows)
+            if cost is not None:
+                cost.accept.observe(t, kept, path)
         else:
             path, new = accept_sampled(t, kept, rows, self.sp, self.gen)
         # the accepted rows to their linear positions P, P+1, ..: target rows, bit-equal to a linear

@@ -10,7 +10,7 @@ import pytest
 
 import qspec
 from qspec.sampling import SamplingParams, argmax, warp
-from qspec.tree import (TreeCost, TreeParams, accept_greedy, accept_sampled, draft_tree, select,
+from qspec.tree import (AcceptCal, TreeCost, TreeParams, accept_greedy, accept_sampled, draft_tree, select,
                         verify_layout)
 
 from test_speculative import _chi2_pvalue, dev_prompts
@@ -161,6 +161,30 @@ def test_depth_stops_when_a_pass_does_not_pay():
     cost.observe_pass(2, 0.05)      # a 2-row draft pass: 0.05 s -> worth 0.5 tokens
     assert cost.keep_going(2, [0.6, 0.3])
     assert not cost.keep_going(2, [0.2, 0.1])
+
+
+def test_acceptance_calibration_learns_rank_and_probability():
+    """A top child the target takes 9 times in 10 at draft probability 0.45 and a second child it
+    never takes: their estimates move from the probabilities (the prior) to what was observed, and
+    only the children a verify pass tested (kept children of accepted nodes) count."""
+    cal = AcceptCal()
+    assert cal.estimate(0, 0.45) == pytest.approx(0.45) and cal.estimate(1, 0.3) == pytest.approx(0.3)
+    # root 0 -> children 1 (rank 0, p 0.45), 2 (rank 1, p 0.3); 1 -> 3 (rank 0, p 0.45), 4 (rank 1)
+    t = draft_tree(lambda toks, s, p: np.zeros((len(toks), 4), np.float32), 0, 0, 2, 2, 10 ** 9)
+    t.rank[1:], t.prob[1:] = [0, 1, 0, 1], [0.45, 0.3, 0.45, 0.3]
+    kept = [0, 1, 2, 3, 4]
+    for step in range(200):
+        path = [0, 1, 3] if step % 10 else [0]  # 9 in 10: both top children accepted
+        cal.observe(t, kept, path)
+    assert cal.estimate(0, 0.45) == pytest.approx(0.9, abs=0.05)
+    assert cal.estimate(1, 0.3) < 0.05
+    assert cal.estimate(0, 0.95) == pytest.approx(0.95)  # an untouched cell keeps its prior
+    seen, hits = cal.seen.copy(), cal.hits.copy()
+    cal.observe(t, [0, 2], [0, 1])  # node 2 accepted; its children were not kept: one test
+    changed = np.argwhere(cal.seen != seen)
+    assert changed.tolist() == [[1, 3]]  # rank 1, probability bin 0.3
+    assert cal.seen[1, 3] == pytest.approx(seen[1, 3] * AcceptCal.DECAY + 1)
+    assert cal.hits[1, 3] == pytest.approx(hits[1, 3] * AcceptCal.DECAY + 1)
 
 
 # ---------------------------------------------------------------- bad input
