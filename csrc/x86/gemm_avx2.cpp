@@ -222,81 +222,15 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 // pair order), high nibbles rows 8-15. The LUT returns 2*E2M1 + 12 in [0, 24] so the weight is
 // the unsigned operand of vpmaddubsw; 12*sum(q) (xc) is taken off per block. Bounds: a pair is
 // <= 2*24*127 = 6096, four slabs summed in int16 <= 24384 < 2^15: exact.
-template <int MB, int NB>
-void q4_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
-  acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
-  const int64_t kb = a.kp / kKBlk;
-  __m256 facc[MB][NB][2];  // fp32 accumulators stay in registers across blocks
-  load_acc<MB, NB>(acc, init, facc);
-  const uint8_t* w[NB];
-  const uint8_t* s[NB];
-  for (int j = 0; j < NB; ++j) {
-    w[j] = a.data + (nb + j) * (a.kp / 4) * 32;
-    s[j] = a.scales + (nb + j) * kb * kRows;
-  }
-  const int8_t* q[MB];
-  for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
-  const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
-                                       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
-    __m256i isum[MB][NB][2];
-    for (int half = 0; half < 2; ++half) {
-      __m256i s16[MB][NB][2];
-      for (int g = 0; g < 4; ++g) {
-        const int64_t slab = b * 8 + half * 4 + g;
-        if (g % 2 == 0)
-          for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w[j] + slab * 32 + a.prefetch), _MM_HINT_T0);
-        __m256i xq[MB];
-        for (int i = 0; i < MB; ++i) {
-          int32_t q4;
-          std::memcpy(&q4, q[i] + slab * 4, 4);
-          xq[i] = _mm256_set1_epi32(q4);
-        }
-        // One row block at a time: few live registers, so two blocks (two streams) fit.
-        for (int j = 0; j < NB; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
-          const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
-          const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-          for (int i = 0; i < MB; ++i) {
-            const __m256i pl = _mm256_maddubs_epi16(wl, xq[i]);
-            const __m256i ph = _mm256_maddubs_epi16(wh, xq[i]);
-            s16[i][j][0] = g == 0 ? pl : _mm256_add_epi16(s16[i][j][0], pl);
-            s16[i][j][1] = g == 0 ? ph : _mm256_add_epi16(s16[i][j][1], ph);
-          }
-        }
-      }
-      for (int i = 0; i < MB; ++i)
-        for (int j = 0; j < NB; ++j)
-          for (int h = 0; h < 2; ++h) {
-            const __m256i s32 = _mm256_madd_epi16(s16[i][j][h], ones);
-            isum[i][j][h] = half == 0 ? s32 : _mm256_add_epi32(isum[i][j][h], s32);
-          }
-    }
-    for (int j = 0; j < NB; ++j) {
-      __m256 d[2];
-      e8m0x16(s[j] + b * kRows, d[0], d[1]);
-      for (int i = 0; i < MB; ++i) {
-        const int64_t ib = (m0 + i) * kb + b;
-        const __m256i xc = _mm256_set1_epi32(a.xc[ib]);
-        const __m256 xd = _mm256_set1_ps(a.xd[ib]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j][h], xc));
-          facc[i][j][h] = _mm256_fmadd_ps(fi, _mm256_mul_ps(d[h], xd), facc[i][j][h]);
-        }
-      }
-    }
-  }
-  store_acc<MB, NB>(acc, facc);
-}
-
-// MXFP4 for 3-4 rows of x at once: one decode of each slab serves every row. The fp32 sums live
-// in acc (L1) and the first half-block's int32 sums in a stack buffer, so the 8 int16
-// accumulators of 4 rows, the two decoded vectors and the constants fit the 16 ymm registers.
-// Same integer sums and the same per-block fma as q4_tile: bit-identical to it and to ref.
+//
+// 1-4 rows of x at once: one decode of each slab serves every row. Per half-block (4 slabs) the
+// int16 sums of every row stay in registers: an empty asm after each row's adds pins them there
+// (GCC otherwise reassociates the integer adds, hoists the products of all four slabs ahead of
+// them and spills them, ~1.4x the time of this form at 3-4 rows). The fp32 sums live in acc (L1),
+// one load, fma and store per row and block. Integer sums are exact and the per-block fma is the
+// same as ref's: bit-identical to ref for any M, row tile or thread count.
 template <int MB>
-void q4_rows_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
+void q4_rows(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
   acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   if (init)
@@ -308,16 +242,12 @@ void q4_rows_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
   const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                        12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
-    alignas(32) int32_t first[MB][2][8];  // int32 sums of the block's first half (slabs 0-3)
-    __m256 d[2];
-    e8m0x16(s + b * kRows, d[0], d[1]);
+    __m256i isum[MB][2];
     for (int half = 0; half < 2; ++half) {
       __m256i s16[MB][2];
       for (int i = 0; i < MB; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
-      // Not unrolled: unrolled, GCC 12 hoisted every product of the 4 slabs ahead of the adds
-      // and spilled them (objdump: ~50 stack stores and loads per half-block at MB = 4).
-#pragma GCC unroll 1
       for (int g = 0; g < 4; ++g) {
         const int64_t slab = b * 8 + half * 4 + g;
         if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + slab * 32 + a.prefetch), _MM_HINT_T0);
@@ -330,21 +260,25 @@ void q4_rows_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t
           const __m256i xq = _mm256_set1_epi32(q4);
           s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(wl, xq));
           s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(wh, xq));
+          asm("" : "+x"(s16[i][0]), "+x"(s16[i][1]));
         }
       }
-      for (int i = 0; i < MB; ++i) {
-        const int64_t ib = (m0 + i) * kb + b;
+      for (int i = 0; i < MB; ++i)
         for (int h = 0; h < 2; ++h) {
-          const __m256i s32 = _mm256_madd_epi16(s16[i][h], _mm256_set1_epi16(1));
-          if (half == 0) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(first[i][h]), s32);
-            continue;
-          }
-          const __m256i isum = _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(first[i][h])), s32);
-          const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_set1_epi32(a.xc[ib])));
-          float* pa = acc_row(acc, i) + h * 8;
-          _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, _mm256_mul_ps(d[h], _mm256_set1_ps(a.xd[ib])), _mm256_loadu_ps(pa)));
+          const __m256i s32 = _mm256_madd_epi16(s16[i][h], ones);
+          isum[i][h] = half == 0 ? s32 : _mm256_add_epi32(isum[i][h], s32);
         }
+    }
+    __m256 d[2];
+    e8m0x16(s + b * kRows, d[0], d[1]);
+    for (int i = 0; i < MB; ++i) {
+      const int64_t ib = (m0 + i) * kb + b;
+      const __m256i xc = _mm256_set1_epi32(a.xc[ib]);
+      const __m256 xd = _mm256_set1_ps(a.xd[ib]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][h], xc));
+        float* pa = acc_row(acc, i) + h * 8;
+        _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, _mm256_mul_ps(d[h], xd), _mm256_loadu_ps(pa)));
       }
     }
   }
@@ -442,7 +376,6 @@ using TileFn = void (*)(const GemmArgs&, int64_t, int64_t, int64_t, int64_t, flo
                                   {tmpl<5, 1>, nullptr, nullptr, nullptr},                     \
                                   {tmpl<6, 1>, nullptr, nullptr, nullptr}};
 template <int MB, int NB> void bf16_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { bf16_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
-template <int MB, int NB> void q4_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q4_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void q6_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { q6_tile<MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void shl_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Shl, MB, NB>(a, nb, m0, k0, k1, acc, init); }
 template <int MB, int NB> void sra_fn(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) { fp_tile<kF16Sra, MB, NB>(a, nb, m0, k0, k1, acc, init); }
@@ -499,14 +432,12 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
     store_rows(a, nb, nbn, acc);
   }
 }
-QSPEC_TILE_TABLE(kQ4Tiles, q4_fn)
-
-// MXFP4, M >= 3: balanced row tiles of at most 4 rows (M = 5: 3 + 2), one row block at a time;
-// tiles of 3-4 rows decode each slab once for all of them, tiles of 1-2 rows are q4_tile's.
-// With several row tiles, K is chunked so the block's weights are re-read from L1.
-void q4_blocks_rows(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
+// MXFP4: balanced row tiles of at most 4 rows (M = 5: 3 + 2; a 5-row tile measured no faster),
+// one row block at a time. With several row tiles, K is chunked so the block's weights are
+// re-read from L1.
+void q4_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   constexpr int kMaxRows = 4;
-  const TileFn rows_tiles[kMaxRows] = {q4_fn<1, 1>, q4_fn<2, 1>, q4_rows_tile<3>, q4_rows_tile<4>};
+  const TileFn rows_tiles[kMaxRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>};
   const int64_t ntiles = (a.m + kMaxRows - 1) / kMaxRows;
   int64_t kc = ntiles == 1 ? a.kp : (kL1Bytes / (16 + a.m)) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
@@ -539,12 +470,11 @@ void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc
       bf16_blocks_small_m(rows_of(a, a.m * i / chunks, a.m * (i + 1) / chunks - a.m * i / chunks), nb0, nb1, acc);
     return;
   }
-  if (a.kind == kQ4 && a.m >= 3) {
-    q4_blocks_rows(a, nb0, nb1, acc);
+  if (a.kind == kQ4) {
+    q4_blocks(a, nb0, nb1, acc);
     return;
   }
   const TileFn(*table)[4] = a.kind == kBf16 ? kBf16Tiles
-                          : a.kind == kQ4   ? kQ4Tiles
                           : a.kind == kQ6   ? kQ6Tiles
                           : a.kind == kF16Shl ? kShlTiles
                           : a.kind == kF16Sra ? kSraTiles
@@ -552,13 +482,13 @@ void gemm_blocks_avx2(const GemmArgs& args, int64_t nb0, int64_t nb1, float* acc
   // Register tiles (MB rows of x, NB row blocks), picked by pinned single-core measurements on
   // Zen 3: 8 FMA chains is what 16 ymm registers hold without spilling, and 2 x-rows x 2 row
   // blocks needs half the broadcasts of 4 x 1 (BF16 2x2: ~28 vs ~25 GMAC/s from L1). The Q8
-  // kernel holds 4 int vectors per (row, block): 1 block at a time (M=1: 45 vs 38 GMAC/s).
-  const bool q4 = a.kind == kQ4 || a.kind == kQ6;
+  // kernel (MXFP6 E2M3) holds 4 int vectors per (row, block): 1 block at a time.
+  const bool q6 = a.kind == kQ6;
   const bool bf16 = a.kind == kBf16;
-  const int mbmax = q4 || (bf16 && a.m == 2) ? 2 : 4;
-  const int nbmax = q4 ? 1 : a.m == 1 ? 4 : a.m == 2 ? 2 : 1;
+  const int mbmax = q6 || (bf16 && a.m == 2) ? 2 : 4;
+  const int nbmax = q6 ? 1 : a.m == 1 ? 4 : a.m == 2 ? 2 : 1;
   // With several row tiles of x, a K chunk of weights and x is re-read from L1.
-  const int64_t bytes_per_k = (a.kind == kQ6 ? 12 : a.kind == kQ4 ? 16 : 32) * nbmax + (q4 ? 1 : 4) * a.m;
+  const int64_t bytes_per_k = (q6 ? 12 : 32) * nbmax + (q6 ? 1 : 4) * a.m;
   int64_t kc = a.m <= mbmax ? a.kp : (kL1Bytes / bytes_per_k) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
   for (int64_t nb = nb0; nb < nb1; nb += nbmax) {
