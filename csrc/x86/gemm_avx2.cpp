@@ -432,6 +432,7 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
     store_rows(a, nb, nbn, acc);
   }
 }
+
 // MXFP4: balanced row tiles of at most 4 rows (M = 5: 3 + 2; a 5-row tile measured no faster),
 // one row block at a time. With several row tiles, K is chunked so the block's weights are
 // re-read from L1.
