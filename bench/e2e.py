@@ -73,6 +73,16 @@ def _ks(s: str) -> list[tuple]:
     return out
 
 
+def _lookups(s: str) -> list[str]:
+    from qspec.lookup import LOOKUP_MODES
+
+    out = list(dict.fromkeys(x.strip() for x in s.split(",")))
+    bad = [x for x in out if x not in LOOKUP_MODES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"lookup settings must be among {', '.join(LOOKUP_MODES)}, got {s!r}")
+    return out
+
+
 def _chains(s: str) -> list[str]:
     """Comma list of draft chains, each checked as qspec.load checks it (one argparse error line)."""
     out = s.split(",")
@@ -96,9 +106,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
     n_prompts = args.prompts or (4 if args.quick else 24)
     n_new = args.max_new or (64 if args.quick else 128)
     rows = []
-    table = TableStream(["draft", "draft_kv", "draft_window", "draft_sparse", "k", "draft_p_min", "tree", "temperature", "tokens_per_s",
+    table = TableStream(["draft", "draft_kv", "draft_window", "draft_sparse", "k", "draft_p_min", "tree", "lookup", "temperature", "tokens_per_s",
                          "speedup", "total_speedup", "acceptance_rate", "tokens_per_step", "c", "v", "model_speedup", "ceiling_speedup",
-                         "tree_rows", "tree_path", "tau_vs_chain"], widths={"draft": 24})
+                         "tree_rows", "tree_path", "tau_vs_chain", "lookup_rows", "lookup_acceptance"], widths={"draft": 24})
     for dspec in args.drafts:
         spec, levels = parse_chain_setting(dspec)
         eng = load_engine(args, spec, levels)
@@ -127,8 +137,9 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
             settings = [(k, pm, "off") for k, pm in args.ks]
             if args.trees:
                 settings += [(k, None, "eq") for k in fixed] + [("auto", None, "auto")]
+            settings = [(k, pm, tree, lk) for k, pm, tree in settings for lk in args.lookup]
             per = {k: {"tps": [], "ratio": [], "decode_s": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "tokens": 0,
-                       "tree_steps": 0, "tree_rows": 0, "tree_path": 0,
+                       "tree_steps": 0, "tree_rows": 0, "tree_path": 0, "lookup_rows": 0, "lookup_accepted": 0,
                        "levels": {i: [0, 0, 0, 0] for i in range(2, len(eng.levels) + 1)}}
                    for k in ["plain"] + settings}
             for i, p in enumerate(prompts):
@@ -137,14 +148,15 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                 per["plain"]["tps"].append(base.stats["tokens_per_s"])
                 per["plain"]["tokens"] += base.stats["new_tokens"] - 1
                 per["plain"]["decode_s"] += base.stats["decode_s"]
-                for k, pm, tree in settings:
+                for k, pm, tree, lk in settings:
                     tkw = (dict(tree="off") if tree == "off" else dict(tree="auto") if tree == "auto" else
                            dict(tree="on", tree_width=args.tree_width, tree_depth=k, tree_nodes=k + 1))
-                    r = eng.generate(p, draft_max=k, draft_p_min=pm, **tkw, **kw)
+                    r = eng.generate(p, draft_max=k, draft_p_min=pm, lookup=lk, **tkw, **kw)
                     if temp == 0 and r.tokens != base.tokens:
-                        raise SystemExit(f"LOSSLESSNESS VIOLATED: {dspec} K={k} p_min={pm} tree={tree} prompt {i}")
-                    s, d = r.stats, per[(k, pm, tree)]
-                    for key in ("tree_steps", "tree_verify_rows", "tree_accepted"):
+                        raise SystemExit(f"LOSSLESSNESS VIOLATED: {dspec} K={k} p_min={pm} tree={tree} lookup={lk} "
+                                         f"prompt {i}")
+                    s, d = r.stats, per[(k, pm, tree, lk)]
+                    for key in ("tree_steps", "tree_verify_rows", "tree_accepted", "lookup_rows", "lookup_accepted"):
                         d[{"tree_verify_rows": "tree_rows", "tree_accepted": "tree_path"}.get(key, key)] += s.get(key, 0)
                     d["tps"].append(s["tokens_per_s"])
                     d["ratio"].append(s["tokens_per_s"] / base.stats["tokens_per_s"])
@@ -160,15 +172,17 @@ def real_model(args, ctx, out: JsonWriter) -> list[dict]:
                 if key == "plain":
                     row = {"mode": "plain", "draft": "none", "k": 0, "speedup": 1.0, "total_speedup": 1.0}
                 else:
-                    k, pm, tree = key
+                    k, pm, tree, lk = key
                     pm = DEFAULT_DRAFT_PARAMS.draft_p_min if pm is None else pm
                     tau = d["tokens"] / max(1, d["steps"])
                     # every step drafts K (bar the last), by one draft whose step costs were measured
                     fixed_k = k != "auto" and pm == 0 and len(eng.levels) == 1 and cr["c"] is not None \
                         and tree == "off"
-                    chain = per.get((k, None, "off")) if tree == "eq" else None
+                    chain = per.get((k, None, "off", lk)) if tree == "eq" else None
                     row = {"mode": "speculative", "draft": dspec, "k": k, "draft_p_min": pm,
                            "tree": {"off": "chain", "eq": f"w{args.tree_width} N=K+1", "auto": "auto"}[tree],
+                           "lookup": lk, "lookup_rows": d["lookup_rows"] / max(1, d["steps"]),
+                           "lookup_acceptance": d["lookup_accepted"] / d["lookup_rows"] if d["lookup_rows"] else None,
                            "tree_rows": d["tree_rows"] / d["tree_steps"] if d["tree_steps"] else None,
                            "tree_path": d["tree_path"] / d["tree_steps"] if d["tree_steps"] else None,
                            "tau_vs_chain": tau * chain["steps"] / max(1, chain["tokens"]) if chain else None,
@@ -248,13 +262,15 @@ def plot(rows: list[dict], path: str, ctx: dict, model: str) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     spec = [r for r in rows if r.get("mode") == "speculative"]
-    for (draft, temp, pm, tree) in sorted({(r["draft"], r["temperature"], r["draft_p_min"], r["tree"])
-                                           for r in spec}):
-        pts = [r for r in spec if (r["draft"], r["temperature"], r["draft_p_min"], r["tree"]) == (draft, temp, pm, tree)
-               and r["k"] != "auto"]
+    def key(r: dict) -> tuple:
+        return r["draft"], r["temperature"], r["draft_p_min"], r["tree"], r.get("lookup", "auto")
+
+    for (draft, temp, pm, tree, lk) in sorted({key(r) for r in spec}):
+        pts = [r for r in spec if key(r) == (draft, temp, pm, tree, lk) and r["k"] != "auto"]
         if not pts:
             continue
-        lab = f"{draft}, T={temp}" + (f", p_min={pm}" if pm else "") + ("" if tree == "chain" else f", tree {tree}")
+        lab = f"{draft}, T={temp}" + (f", p_min={pm}" if pm else "") + ("" if tree == "chain" else f", tree {tree}") \
+            + ("" if lk == "auto" else f", lookup {lk}")
         line, = a1.plot([r["k"] for r in pts], [r["speedup"] for r in pts], "o-", label=lab)
         ceil = [r for r in pts if r.get("ceiling_speedup")]
         if ceil:
@@ -300,6 +316,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-synthetic", action="store_true")
     p.add_argument("--trees", action="store_true",
                    help="add draft trees: at N = K + 1 verify rows per fixed K, and the cost model's choice")
+    p.add_argument("--lookup", type=_lookups, default=["auto"],
+                   help="prompt-lookup candidates in the verify, comma-separated settings side by side: auto, off "
+                   "(default: auto, the engine's default)")
     p.add_argument("--tree-width", type=int, default=3, choices=range(1, 9), metavar="1..8",
                    help="width of the --trees rows at N = K + 1 (default 3)")
     p.add_argument("--context", type=int, default=None, metavar="N",

@@ -117,6 +117,10 @@ def _add_engine_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=int, default=None, help="tree: draft passes per step (1..32; default: chosen)")
     g.add_argument("--tree-nodes", "--total-tokens", dest="tree_nodes", type=int, default=None,
                    help="tree: N, the verify rows with the root (2..64, >= depth + 1; default: chosen)")
+    g.add_argument("--lookup", choices=("auto", "off"), default=None,
+                   help="greedy: the target also verifies prompt-lookup candidates (the tokens that followed the "
+                   "latest earlier occurrence of the last few tokens) beside the draft's, as many as the measured "
+                   "verify cost says pay (default: auto)")
     for i in UPPER_LEVELS:
         g.add_argument(f"--draft{i}", metavar="LEVEL", default=None,
                        help=f"level {i}, drafting for level {i - 1}: {LEVEL_HELP}" if i == 2 else
@@ -246,10 +250,11 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
 
 def tree_kwargs(a: argparse.Namespace) -> dict:
-    """The --tree flags as generate's keyword arguments; bad caps are a QspecError (one line)."""
+    """The --tree and --lookup flags as generate's keyword arguments; bad caps are a QspecError (one line)."""
     from .tree import TreeParams
 
-    kw = dict(tree=a.tree, tree_width=a.tree_width, tree_depth=a.tree_depth, tree_nodes=a.tree_nodes)
+    kw = dict(tree=a.tree, tree_width=a.tree_width, tree_depth=a.tree_depth, tree_nodes=a.tree_nodes,
+              lookup=a.lookup)
     try:
         TreeParams(a.tree or "auto", a.tree_width, a.tree_depth, a.tree_nodes)
     except ValueError as e:

@@ -20,6 +20,7 @@ from .loader import load_weights
 from .memory import cache_bytes, check_fits
 from .sampling import SamplingParams, argmax, sample, warp
 from .levels import NGRAM, Chain, MXLevel, NgramLevel, check_formats, is_helper, parse_chain
+from .lookup import LOOKUP_MODES, Lookup
 from .speculative import DRAFT_MAX_LIMIT, CostModel, DraftParams
 from .tree import TreeCost, TreeParams
 from .tokenizer import StreamDecoder, TemplateError, Tokenizer
@@ -106,6 +107,7 @@ class Engine:
         serial = any(is_helper(lv.name) for lv in levels) or getattr(backend, "comm", None) is not None
         self.batcher = Batcher(backend, max_seqs=1 if serial else max_seqs)
         self._tree_costs: dict[tuple, TreeCost] = {}
+        self._lookups: dict[tuple, Lookup] = {}
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -113,7 +115,8 @@ class Engine:
                  speculative: bool = True, draft_max: int | str | Sequence | None = None,
                  draft_min: int | None = None, draft_p_min: float | None = None,
                  levels: int | None = None, tree: str | None = None, tree_width: int | None = None,
-                 tree_depth: int | None = None, tree_nodes: int | None = None) -> GenerationResult:
+                 tree_depth: int | None = None, tree_nodes: int | None = None,
+                 lookup: str | None = None) -> GenerationResult:
         """Generate a continuation of `prompt`: text, token ids used as they are, or a chat as a
         list of {"role": ..., "content": ...} messages (rendered with the model's chat template).
 
@@ -135,11 +138,15 @@ class Engine:
         `tree_width` (nodes expanded per depth and children per node, 1..8), `tree_depth` (draft
         passes, 1..32) and `tree_nodes` (N, verify rows with the root, 2..64, at least
         tree_depth + 1) cap the tree; unset ones are chosen.
+        `lookup` (greedy): "auto" (the default) lets the target verify prompt-lookup candidates
+        beside the MX draft's tokens, as many as the measured verify cost says pay
+        (qspec/lookup.py); "off" verifies the draft's tokens alone.
         """
         stats: dict[str, float] = {}
         tokens = list(self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
                                   speculative, draft_max, draft_min, draft_p_min, levels, stats=stats,
-                                  tree=tree, tree_width=tree_width, tree_depth=tree_depth, tree_nodes=tree_nodes))
+                                  tree=tree, tree_width=tree_width, tree_depth=tree_depth, tree_nodes=tree_nodes,
+                                  lookup=lookup))
         text = self.tokenizer.decode(tokens)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
@@ -192,7 +199,8 @@ class Engine:
                speculative: bool = True, draft_max: int | str | Sequence | None = None,
                draft_min: int | None = None, draft_p_min: float | None = None, levels: int | None = None,
                stats: dict[str, float] | None = None, tree: str | None = None, tree_width: int | None = None,
-               tree_depth: int | None = None, tree_nodes: int | None = None) -> Iterator[int]:
+               tree_depth: int | None = None, tree_nodes: int | None = None,
+               lookup: str | None = None) -> Iterator[int]:
         """Like `generate`, yielding the new token ids as they are produced; fills `stats` at the end.
 
         Closing the generator early (a caller that stops iterating) leaves the engine ready for
@@ -201,8 +209,12 @@ class Engine:
         if tree is None:
             tree = default_tree(getattr(self.backend, "kernel_path", None), self.cfg.gemm_params)
         tp = TreeParams(tree, tree_width, tree_depth, tree_nodes)
+        if lookup is None:
+            lookup = "auto"
+        if lookup not in LOOKUP_MODES:
+            raise ValueError(f"lookup must be one of {', '.join(LOOKUP_MODES)}, got {lookup!r}")
         return self._tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, st,
-                            speculative, draft_max, draft_min, draft_p_min, levels, tp)
+                            speculative, draft_max, draft_min, draft_p_min, levels, tp, lookup)
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """The token ids a prompt is run as (see `generate` for the three kinds of prompt)."""
@@ -249,7 +261,8 @@ class Engine:
         return [lv.name for lv in self.levels]
 
     def _tokens(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, stats: dict[str, float],
-                speculative, draft_max, draft_min, draft_p_min, levels, tp: TreeParams) -> Iterator[int]:
+                speculative, draft_max, draft_min, draft_p_min, levels, tp: TreeParams,
+                lookup: str) -> Iterator[int]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), seed=seed)
@@ -286,7 +299,7 @@ class Engine:
             be = SeqBackend(self.batcher, seq)
             try:
                 for t in self._run(be, seq, ids + emitted, max_new_tokens - len(emitted), params, stats,
-                                   speculative, chain, per_level, dp, tp):
+                                   speculative, chain, per_level, dp, tp, lookup):
                     emitted.append(t)
                     self.batcher.pause(seq)
                     try:
@@ -305,7 +318,7 @@ class Engine:
 
     def _run(self, be: SeqBackend, seq, ids: list[int], max_new_tokens: int, params: SamplingParams,
              stats: dict, speculative: bool, chain: list, per_level: list, dp: DraftParams,
-             tp: TreeParams) -> Iterator[int]:
+             tp: TreeParams, lookup: str) -> Iterator[int]:
         """One sequence's generation: prefill `ids`, then decode (speculative or plain)."""
         first = self._prefill(be, seq, ids, len(ids) + max_new_tokens, stats)
         if speculative and chain and max_new_tokens > 1:
@@ -320,7 +333,8 @@ class Engine:
                 costs.append(self._class_cost_model(be, i, names, ks[-1], k_min, params.greedy) if k == "auto" else None)
             levels = [lv.bind(be) if isinstance(lv, MXLevel) else lv for lv in chain]
             run = Chain([MXLevel(be, 0, "target")] + levels, ks, costs, params, dp,
-                        self._tree(tp, chain, names, params.greedy, per_level[0], be.batch))
+                        self._tree(tp, chain, names, params.greedy, per_level[0], be.batch),
+                        self._lookup(lookup, chain, names, params.greedy, be.batch))
             yield from run.tokens(be, first, max_new_tokens, self.eos_ids, list(ids), stats)
         else:
             yield from self._plain(be, first, max_new_tokens, params, stats)
@@ -348,6 +362,22 @@ class Engine:
                 self._tree_costs[key] = TreeCost(tp, chain_ok=True)
             return self._tree_costs[key]
         return tp, cost
+
+    def _lookup(self, mode: str, chain: list, names: tuple, greedy: bool, batch: Callable[[], int]):
+        """A function giving the Lookup of the batch size class `batch()` (qspec/lookup.py), or None:
+        lookup off, sampling, level 1 not an MX draft, an n-gram level in the chain already, or a
+        backend without tree passes."""
+        if mode == "off" or not greedy or not isinstance(chain[0], MXLevel) \
+                or any(isinstance(lv, NgramLevel) for lv in chain) \
+                or "tree" not in inspect.signature(self.backend.forward).parameters:
+            return None
+
+        def get() -> Lookup:
+            key = ("lookup", names, batch())
+            if key not in self._lookups:
+                self._lookups[key] = Lookup()
+            return self._lookups[key]
+        return get
 
     def _class_cost_model(self, be: SeqBackend, level: int, chain: tuple[str, ...], k_cap: int, k_min: int,
                           greedy: bool) -> Callable[[], CostModel]:

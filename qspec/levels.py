@@ -80,6 +80,10 @@ class NgramLevel:
         self.n_max, self.n_min = n_max, n_min
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
+        return self.match(context, k)[0]
+
+    def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """(up to k proposed tokens, the length n of the n-gram that matched; 0: none)."""
         ctx = np.asarray(context, dtype=np.int64)
         size = len(ctx)
         for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
@@ -90,8 +94,8 @@ class NgramLevel:
             found = np.flatnonzero(hits)
             if found.size:
                 s = int(found[-1]) + n
-                return ctx[s:s + k].tolist()
-        return []
+                return ctx[s:s + k].tolist(), n
+        return [], 0
 
 
 def is_helper(name: str) -> bool:
@@ -154,9 +158,10 @@ class Chain:
     function giving level i's CostModel for the batch size class of the moment (Engine)."""
 
     def __init__(self, levels: list, ks: list[int | None], costs: list[Callable[[], CostModel] | None],
-                 params: SamplingParams, dp: DraftParams, tree=None):
+                 params: SamplingParams, dp: DraftParams, tree=None, lookup=None):
         """`tree`: a (TreeParams, function giving the TreeCost, or None) pair: level 1 drafts trees
-        (qspec/tree.py)."""
+        (qspec/tree.py). `lookup`: greedy, a function giving the Lookup (qspec/lookup.py) whose
+        prompt-lookup candidates the target verifies beside level 1's drafts, or None."""
         self.levels, self.ks, self.costs, self.params, self.dp = levels, ks, costs, params, dp
         # what the cost models are fed: the sequence's share of the batched passes
         # (qspec/batch.py, SeqBackend.clock), else (a backend without batching) wall time;
@@ -164,6 +169,9 @@ class Chain:
         self.clock = getattr(levels[0].backend, "clock", time.perf_counter)
         self.gen = None if params.greedy else params.generator()
         self.stats = [LevelStats() for _ in levels]
+        self.lookup = lookup if self.gen is None else None
+        self.lookup_rows = self.lookup_accepted = 0  # lookup nodes verified / accepted (chain steps)
+        self.lookup_steps = 0  # steps the lookup ran alone
         self.tree = None
         if tree is not None:
             from .tree import TreeRunner
@@ -211,24 +219,37 @@ class Chain:
                 break
         return out, rows
 
-    def _round(self, i: int, last: int, pos: int, room: int, context: list[int]) -> tuple[list[int], list]:
+    def _round(self, i: int, last: int, pos: int, room: int, context: list[int],
+               lookup: tuple | None = None) -> tuple[list[int], list]:
         """One pass of level i over [last] + at most `room` tokens drafted by level i+1: the tokens
-        it keeps and its own next one, with level i's probability rows for them (sampling)."""
+        it keeps and its own next one, with level i's probability rows for them (sampling).
+        `lookup` (level 0, greedy): the step's (Lookup, proposal, n-gram length), whose candidates
+        join the pass where they pay (Lookup.extension)."""
         up = i + 1
         cost = self.costs[up]() if self.costs[up] is not None else None  # the batch size class's now
         k = self._k(up, room, cost)
         t0, c0 = time.perf_counter(), self.clock()
         drafts, qs = self._draft(up, last, pos, k, context) if k else ([], [])
         t1, c1 = time.perf_counter(), self.clock()
-        rows = self.levels[i].score([last] + drafts, pos, context)
+        out = self._verify_lookup(lookup, last, pos, drafts, cost, t1 - t0) if lookup and lookup[1] else None
+        if out is not None:
+            a, keep, rows_n = out
+        else:
+            rows = self.levels[i].score([last] + drafts, pos, context)
+            rows_n = len(drafts) + 1
         t2, c2 = time.perf_counter(), self.clock()
-        if self.gen is None:
+        if out is not None:
+            p_rows = [None] * len(keep)
+        elif self.gen is None:
             best = argmax(rows)
             a = next((j for j, d in enumerate(drafts) if d != best[j]), len(drafts))
-            nxt, p_rows = best[a], [None] * (a + 1)
+            keep, p_rows = drafts[:a] + [best[a]], [None] * (a + 1)
         else:
             p_rows = []
             a, nxt = _accept_sampled(drafts, qs, rows, self.params, self.gen, warped=p_rows)
+            keep = drafts[:a] + [nxt]
+        if lookup:
+            lookup[0].observe_verify(rows_n, t2 - t1)
         st = self.stats[up]
         st.drafted += len(drafts)
         st.accepted += a
@@ -237,8 +258,57 @@ class Chain:
         st.rounds += room > 0
         st.skipped += room > 0 and not drafts
         if cost is not None:
-            cost.observe(len(drafts), a, c1 - c0, c2 - c1)
-        return drafts[:a] + [nxt], p_rows
+            cost.observe(len(drafts), a, c1 - c0, c2 - c1, rows=rows_n)
+        return keep, p_rows
+
+    def _verify_lookup(self, lookup: tuple, last: int, pos: int, drafts: list[int], cost: CostModel | None,
+                       draft_s: float) -> tuple[int, list[int], int] | None:
+        """The target's verify of level 1's chain with the lookup candidates that pay for their rows
+        (Lookup.extension), greedy: (level 1's drafts accepted, the tokens to emit, verify rows);
+        None when none does (the plain verify runs)."""
+        from .tree import Tree, accept_greedy, commit_path, lookup_counts, verify_pass
+
+        lk, g, n = lookup
+        acc = cost.acceptance() if cost is not None else [lk.PRIOR_P[1]] * len(drafts)
+        t, reach = Tree([last], [-1], [0], [1.0]), 1.0
+        for j, d in enumerate(drafts):
+            reach *= acc[min(j, len(acc) - 1)]
+            t.tokens.append(d)
+            t.parent.append(j)
+            t.depth.append(j + 1)
+            t.value.append(reach)
+            t.rank.append(0)
+            t.prob.append(1.0)
+        k = len(drafts)
+        if not lk.graft(t, g, n) or not (r := lk.extension(t, k, draft_s)):
+            return None
+        kept = list(range(k + 2 + r - 1))
+        backend = self.levels[0].backend
+        if t.parent[k + 1] == k:  # the candidates go on from the chain's end: one longer chain
+            toks = [last] + t.tokens[1:len(kept)]
+            best = argmax(backend.forward(toks, pos, all_logits=True))
+            m = next((j for j in range(1, len(toks)) if toks[j] != best[j - 1]), len(toks))
+            path, new = list(range(m)), toks[1:m] + [best[m - 1]]
+        else:  # they leave the chain: a tree of two branches
+            toks, rows = verify_pass(backend, t, kept, pos)
+            path, new = accept_greedy(t, kept, rows)
+            commit_path(backend, toks, path, pos)
+        verified, taken = lookup_counts(t, kept, path)
+        self.lookup_rows += verified
+        self.lookup_accepted += taken
+        return sum(1 <= p <= k for p in path), new, len(kept)
+
+    def _lookup_alone(self, lk, last: int, pos: int, g: list[int]) -> list[int]:
+        """A step without drafting: the target checks [last] + the lookup's `g` in one pass (greedy)."""
+        toks = [last] + g
+        t0 = time.perf_counter()
+        best = argmax(self.levels[0].score(toks, pos))
+        lk.observe_verify(len(toks), time.perf_counter() - t0)
+        m = next((j for j in range(1, len(toks)) if toks[j] != best[j - 1]), len(toks))
+        self.lookup_steps += 1
+        self.lookup_rows += len(g)
+        self.lookup_accepted += m - 1
+        return toks[1:m] + [best[m - 1]]
 
     def tokens(self, backend, first_logits: np.ndarray, max_new: int, eos_ids: set[int],
                history: list[int], stats: dict[str, float]) -> Iterator[int]:
@@ -254,13 +324,24 @@ class Chain:
             while tok not in eos_ids and n < max_new:
                 base = kv.length  # position of `tok`
                 room = max_new - n - 1
-                if self.tree is not None and room > 0:
+                lk = self.lookup() if self.lookup is not None else None
+                g, ng = lk.propose(history, room) if lk is not None else ([], 0)
+                look = (lk, g, ng) if lk is not None else None
+                alone = lk.alone(g, ng) if g else 0
+                t0 = time.perf_counter()
+                if alone:
+                    new = self._lookup_alone(lk, tok, base, g[:alone])
+                elif self.tree is not None and room > 0:
                     new, drafted, accepted = self.tree.step(
-                        tok, base, room, lambda: self._round(0, tok, base, room, history)[0])
+                        tok, base, room, lambda: self._round(0, tok, base, room, history, look)[0], look)
                     self.stats[1].drafted += drafted
                     self.stats[1].accepted += accepted
                 else:
-                    new, _ = self._round(0, tok, base, room, history)
+                    new, _ = self._round(0, tok, base, room, history, look)
+                if lk is not None:
+                    lk.learn(g, ng, new)
+                    if not alone:
+                        lk.observe_step(len(new), time.perf_counter() - t0)
                 # an end-of-sequence token ends the run: nothing past it is emitted or committed
                 new = next((new[:i + 1] for i, t in enumerate(new) if t in eos_ids), new)
                 kv.length = base + len(new)  # commit tok + the accepted drafts; the rest are not counted
@@ -284,6 +365,10 @@ class Chain:
                      steps=steps, levels=len(self.levels) - 1)
         if self.tree is not None:
             self.tree.report(stats)
+        if self.lookup is not None:
+            rows = self.lookup_rows + (self.tree.stats.lookup_rows if self.tree is not None else 0)
+            taken = self.lookup_accepted + (self.tree.stats.lookup_accepted if self.tree is not None else 0)
+            stats.update(lookup_rows=rows, lookup_accepted=taken, lookup_steps=self.lookup_steps)
         for i, st in enumerate(self.stats[1:], start=1):
             stats.update({f"level{i}_drafted": st.drafted, f"level{i}_accepted": st.accepted,
                           f"level{i}_acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,

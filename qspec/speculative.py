@@ -111,7 +111,9 @@ class CostModel:
     def _ema(old: float | None, new: float, w: float = 0.25) -> float:
         return new if old is None else (1 - w) * old + w * new
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, rows: int | None = None) -> None:
+        """One step: `drafted` tokens proposed, `accepted` of them kept, and the verify pass of
+        `rows` rows (default drafted + 1; more when prompt-lookup candidates joined it)."""
         if drafted:
             self.hits = self.DECAY * self.hits + accepted
             self.trials = self.DECAY * self.trials + accepted + (accepted < drafted)
@@ -120,7 +122,8 @@ class CostModel:
                 self.pos_hits[j] = self.DECAY * self.pos_hits[j] + (j < accepted)
                 self.pos_trials[j] = self.DECAY * self.pos_trials[j] + tried
             self.t_draft = self._ema(self.t_draft, draft_s / drafted)
-        self.t_verify[drafted + 1] = self._ema(self.t_verify.get(drafted + 1), verify_s)
+        m = drafted + 1 if rows is None else rows
+        self.t_verify[m] = self._ema(self.t_verify.get(m), verify_s)
 
     def acceptance(self) -> list[float]:
         """a_j for j = 1..k_max: each shrunk toward the one before it (a_1 toward the pooled rate)."""

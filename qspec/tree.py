@@ -37,6 +37,7 @@ TREE_NODES_LIMIT = 64
 # what a tree uses for a cap left unset (greedy: the cost model still chooses below these; README
 # "Draft trees": depth 10 and 24 nodes over 6 and 16 once the values are calibrated, AcceptCal)
 DEFAULT_WIDTH, DEFAULT_DEPTH, DEFAULT_NODES = 3, 10, 24
+LOOKUP_RANK = -1  # Tree.rank of a prompt-lookup node (qspec/lookup.py; AcceptCal learns the draft's only)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,27 @@ def verify_layout(t: Tree, kept: list[int], P: int) -> tuple[list[int], list[int
     return [t.tokens[i] for i in kept], [-1] + [slot[t.parent[i]] for i in kept[1:]]
 
 
+def verify_pass(backend, t: Tree, kept: list[int], P: int) -> tuple[list[int], np.ndarray]:
+    """The target's pass over the kept nodes at slots P..: their tokens and logits rows."""
+    toks, parents = verify_layout(t, kept, P)
+    return toks, backend.forward(toks, P, all_logits=True, tree=(P, parents))
+
+
+def commit_path(backend, toks: list[int], path: list[int], P: int) -> None:
+    """The accepted rows (path: indexes into the verify pass) to their linear positions P, P+1, ..:
+    target rows, bit-equal to a linear pass's on the native backend (recorded for prompt reuse
+    there; torch's are not batch-invariant)."""
+    kp = getattr(backend, "kernel_path", None)
+    backend.kv.move_rows([P + k for k in path], P, [toks[k] for k in path] if kp is not None else None, kp)
+
+
+def lookup_counts(t: Tree, kept: list[int], path: list[int]) -> tuple[int, int]:
+    """(prompt-lookup nodes among `kept`, of them on the accepted path; path indexes into kept)."""
+    on_path = {kept[k] for k in path}
+    mine = [i for i in kept if t.rank[i] == LOOKUP_RANK]
+    return len(mine), sum(i in on_path for i in mine)
+
+
 def accept_greedy(t: Tree, kept: list[int], rows: np.ndarray) -> tuple[list[int], list[int]]:
     """(path as indexes into kept, root first; the tokens to emit: the path's drafts + the target's next)."""
     best = argmax(rows)
@@ -243,6 +265,8 @@ class AcceptCal:
         for j, k in enumerate(path):
             nxt = kept[path[j + 1]] if j + 1 < len(path) else None
             for c in kids.get(kept[k], []):
+                if t.rank[c] == LOOKUP_RANK:  # a prompt-lookup node (qspec/lookup.py learns those)
+                    continue
                 cell = self._cell(t.rank[c], t.prob[c])
                 self.hits[cell] = self.hits[cell] * self.DECAY + (c == nxt)
                 self.seen[cell] = self.seen[cell] * self.DECAY + 1.0
@@ -348,6 +372,8 @@ class TreeStats:
     accepted: int = 0      # accepted path length (drafted tokens kept)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    lookup_rows: int = 0      # prompt-lookup nodes verified (qspec/lookup.py)
+    lookup_accepted: int = 0  # of them, on the accepted path
 
 
 class TreeRunner:
@@ -360,10 +386,12 @@ class TreeRunner:
         self.backend, self.level, self.params, self.cost, self.sp, self.gen = backend, level, params, cost, sp, gen
         self.stats = TreeStats()
 
-    def step(self, tok: int, P: int, room: int, chain_round) -> tuple[list[int], int, int]:
+    def step(self, tok: int, P: int, room: int, chain_round, lookup: tuple | None = None) -> tuple[list[int], int, int]:
         """Tokens to emit after `tok` (at slot P), with at most `room` drafted tokens among them;
         `chain_round()` runs today's chain step instead when the cost model's arm says so.
-        Returns (tokens, drafted, accepted) of level 1 (both 0 for a chain step)."""
+        `lookup` (greedy): the step's (Lookup, proposal, n-gram length); the proposal joins the
+        tree (Lookup.graft). Returns (tokens, drafted, accepted) of level 1's nodes (both 0 for a
+        chain step)."""
         cost, p = self.cost() if self.cost is not None else None, self.params  # the batch size class's now
         arm = cost.arm(getattr(self.backend, "round", None)) if cost is not None else p.w
         t0 = time.perf_counter()
@@ -388,26 +416,29 @@ class TreeRunner:
         t = draft_tree(score, tok, P, width, depth, cap if self.gen is not None else 10 ** 9,
                        self.gen, self.sp, keep_going,
                        cost.accept.estimate if cost is not None and self.gen is None else None)
+        lk, g, ng = lookup or (None, [], 0)
+        grafted = lk.graft(t, g[:cap - 1], ng) if g and self.gen is None else []
         t1 = time.perf_counter()
         n = cost.nodes(t, cap, t1 - t0) if cost is not None and self.gen is None else cap
         kept = select(t, n, self.gen is not None)
-        toks, parents = verify_layout(t, kept, P)
-        rows = self.backend.forward(toks, P, all_logits=True, tree=(P, parents))
+        toks, rows = verify_pass(self.backend, t, kept, P)
         t2 = time.perf_counter()
         if self.gen is None:
             path, new = accept_greedy(t, kept, rows)
             if cost is not None:
                 cost.accept.observe(t, kept, path)
+            if grafted:
+                verified, taken = lookup_counts(t, kept, path)
+                self.stats.lookup_rows += verified
+                self.stats.lookup_accepted += taken
         else:
             path, new = accept_sampled(t, kept, rows, self.sp, self.gen)
-        # the accepted rows to their linear positions P, P+1, ..: target rows, bit-equal to a linear
-        # pass's on the native backend (recorded for prompt reuse there; torch's are not batch-invariant)
-        kp = getattr(self.backend, "kernel_path", None)
-        kv.move_rows([P + k for k in path], P, [toks[k] for k in path] if kp is not None else None, kp)
+        commit_path(self.backend, toks, path, P)
+        mine = [k for k in range(1, len(kept)) if t.rank[kept[k]] >= 0]  # level 1's nodes, not lookup's
         st = self.stats
         st.steps += 1
         st.rows += len(kept)
-        st.drafted += len(t.tokens) - 1
+        st.drafted += len(t.tokens) - 1 - len(grafted)
         st.accepted += len(path) - 1
         st.draft_s += t1 - t0
         st.verify_s += t2 - t1
@@ -415,7 +446,10 @@ class TreeRunner:
             predicted = sum(t.value[i] for i in kept[1:])
             cost.observe_verify(len(kept), t2 - t1, predicted, len(path) - 1)
             cost.observe_arm(arm, len(new), time.perf_counter() - t0)
-        return new, len(kept) - 1, len(path) - 1
+        if lk is not None:
+            lk.observe_verify(len(kept), t2 - t1)
+        on_path = set(path)
+        return new, len(mine), sum(k in on_path for k in mine)
 
     def report(self, stats: dict) -> None:
         st = self.stats
