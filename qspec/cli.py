@@ -292,6 +292,9 @@ def format_stats(s: dict[str, float]) -> str:
     if s.get("tree_steps"):
         line += (f" | tree: {s['tree_steps']:.0f} steps, {s['tree_mean_rows']:.1f} verify rows, "
                  f"path {s['tree_mean_path']:.2f}")
+    if s.get("lookup_rows"):
+        line += (f" | lookup: {s['lookup_rows']:.0f} tok verified, {s['lookup_accepted']:.0f} accepted, "
+                 f"{s['lookup_steps']:.0f} steps alone")
     for i in range(2, int(s.get("levels", 1)) + 1):
         line += (f" | level {i}: drafted {s[f'level{i}_drafted']:.0f}, accepted {s[f'level{i}_accepted']:.0f} "
                  f"({100 * s[f'level{i}_acceptance_rate']:.0f}%), skipped {s[f'level{i}_skipped']:.0f}")

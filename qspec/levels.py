@@ -282,7 +282,7 @@ class Chain:
         k = len(drafts)
         if not lk.graft(t, g, n) or not (r := lk.extension(t, k, draft_s)):
             return None
-        kept = list(range(k + 2 + r - 1))
+        kept = list(range(k + 1 + r))
         backend = self.levels[0].backend
         if t.parent[k + 1] == k:  # the candidates go on from the chain's end: one longer chain
             toks = [last] + t.tokens[1:len(kept)]

@@ -214,3 +214,17 @@ def test_graft_keeps_a_tree_rerankable():
     for n in (2, 5, 9, len(t.tokens)):
         kept = select(t, n, sampled=False)
         assert all(t.parent[i] in kept[:k] for k, i in enumerate(kept) if k), kept
+
+
+def test_server_counts_lookup_tokens():
+    from qspec.server.app import Reply
+    from qspec.server.metrics import Metrics
+
+    m = Metrics()
+    stats = {"drafted": 10, "accepted": 8, "acceptance_rate": 0.8, "lookup_rows": 7, "lookup_accepted": 3,
+             "lookup_steps": 1}
+    done = {"stats": stats, "prompt_tokens": 5, "completion_tokens": 9, "queue_s": 0.0, "first_token_s": 0.1}
+    m.generation(done)
+    assert m.registry.get_sample_value("qspec_lookup_tokens_total") == 7
+    assert m.registry.get_sample_value("qspec_lookup_accepted_tokens_total") == 3
+    assert Reply.extension(done)["lookup_accepted"] == 3

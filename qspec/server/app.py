@@ -32,7 +32,8 @@ log = logging.getLogger("qspec.server")
 MAX_BODY_BYTES = 1 << 20
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 STATS = ("cached_prompt_tokens", "prefill_s", "decode_s", "tokens_per_s", "drafted", "accepted",
-         "acceptance_rate", "tokens_per_step", "draft_s", "verify_s", "steps")
+         "acceptance_rate", "tokens_per_step", "draft_s", "verify_s", "steps", "lookup_rows", "lookup_accepted",
+         "lookup_steps")
 
 
 @dataclass

@@ -21,6 +21,9 @@ class Metrics:
         self.generated_tokens = Counter("qspec_generated_tokens", "tokens generated", registry=r)
         self.drafted_tokens = Counter("qspec_drafted_tokens", "tokens drafted by the MX draft", registry=r)
         self.accepted_tokens = Counter("qspec_accepted_tokens", "drafted tokens the target accepted", registry=r)
+        self.lookup_tokens = Counter("qspec_lookup_tokens", "prompt-lookup tokens the target verified", registry=r)
+        self.lookup_accepted_tokens = Counter("qspec_lookup_accepted_tokens",
+                                              "prompt-lookup tokens the target accepted", registry=r)
         self.decode_tokens_per_second = Gauge("qspec_decode_tokens_per_second",
                                               "decode speed of the last finished generation", registry=r)
         self.acceptance_rate = Gauge("qspec_acceptance_rate",
@@ -50,3 +53,6 @@ class Metrics:
             self.drafted_tokens.inc(s["drafted"])
             self.accepted_tokens.inc(s["accepted"])
             self.acceptance_rate.set(s["acceptance_rate"])
+        if s.get("lookup_rows"):
+            self.lookup_tokens.inc(s["lookup_rows"])
+            self.lookup_accepted_tokens.inc(s["lookup_accepted"])
