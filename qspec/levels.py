@@ -270,15 +270,7 @@ class Chain:
 
         lk, g, n = lookup
         acc = cost.acceptance() if cost is not None else [lk.PRIOR_P[1]] * len(drafts)
-        t, reach = Tree([last], [-1], [0], [1.0]), 1.0
-        for j, d in enumerate(drafts):
-            reach *= acc[min(j, len(acc) - 1)]
-            t.tokens.append(d)
-            t.parent.append(j)
-            t.depth.append(j + 1)
-            t.value.append(reach)
-            t.rank.append(0)
-            t.prob.append(1.0)
+        t = Tree.chain(last, drafts, np.cumprod([acc[min(j, len(acc) - 1)] for j in range(len(drafts))]).tolist())
         k = len(drafts)
         if not lk.graft(t, g, n) or not (r := lk.extension(t, k, draft_s)):
             return None

@@ -84,6 +84,14 @@ class Tree:
     prob: list[float] = field(default_factory=lambda: [1.0])  # the draft's probability of the node
     q: dict[int, np.ndarray] = field(default_factory=dict)  # sampling: the draft row each node's children were drawn from
 
+    @classmethod
+    def chain(cls, root: int, tokens: list[int], values: list[float]) -> "Tree":
+        """A chain as a tree: the root, then each token the child of the one before, with these
+        path values (rank 0, probability 1)."""
+        n = len(tokens)
+        return cls([root] + list(tokens), list(range(-1, n)), list(range(n + 1)), [1.0] + list(values),
+                   [0] * (n + 1), [1.0] * (n + 1))
+
     def children(self, kept: list[int]) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         for i in kept[1:]:

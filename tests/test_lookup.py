@@ -30,21 +30,9 @@ def test_match_reports_the_ngram_length():
     assert ng.match([1, 2, 3], 4) == ([], 0)
 
 
-def chain_tree(tokens: list[int], values: list[float]) -> Tree:
-    t = Tree([0], [-1], [0], [1.0])
-    for j, (x, v) in enumerate(zip(tokens, values)):
-        t.tokens.append(x)
-        t.parent.append(j)
-        t.depth.append(j + 1)
-        t.value.append(v)
-        t.rank.append(0)
-        t.prob.append(1.0)
-    return t
-
-
 def test_graft_follows_the_draft_then_branches():
     lk = Lookup()
-    t = chain_tree([10, 11, 12], [0.9, 0.8, 0.2])
+    t = Tree.chain(0, [10, 11, 12], [0.9, 0.8, 0.2])
     new = lk.graft(t, [10, 11, 20, 21], 3)
     assert new == [4, 5]
     assert [t.parent[i] for i in new] == [2, 4] and [t.depth[i] for i in new] == [3, 4]
@@ -58,7 +46,7 @@ def test_graft_follows_the_draft_then_branches():
     for i in range(1, len(t.tokens)):
         assert t.value[i] <= t.value[t.parent[i]] + 1e-12
     # a lookup that goes on from the chain's end extends it
-    t2 = chain_tree([10, 11], [0.9, 0.8])
+    t2 = Tree.chain(0, [10, 11], [0.9, 0.8])
     assert lk.graft(t2, [10, 11, 12], 2) == [3] and t2.parent[3] == 2
 
 
@@ -105,12 +93,12 @@ def test_alone_needs_measurements_and_must_beat_drafting():
 
 def test_extension_weighs_rows_against_their_cost():
     lk = trained(True)
-    t = chain_tree([10, 11], [0.9, 0.8])
+    t = Tree.chain(0, [10, 11], [0.9, 0.8])
     lk.graft(t, [10, 11, 12, 13, 14], 4)
     for rows in (1, 3, 8):
         lk.observe_verify(rows, 0.1)  # rows are free: every likely lookup node pays
     assert lk.extension(t, 2, 0.05) == 3
-    steep, t = Lookup(), chain_tree([10, 11], [0.9, 0.8])
+    steep, t = Lookup(), Tree.chain(0, [10, 11], [0.9, 0.8])
     steep.graft(t, [10, 11, 12, 13, 14], 4)  # untrained: the prior's chances
     for rows in (1, 3, 8):
         steep.observe_verify(rows, 0.5 * rows)  # each row costs more than the lookup's nodes yield
