@@ -30,11 +30,13 @@ def test_greedy_speculative_equals_plain(name, fmt):
     prompts = dev_prompts(n=6)
     eng = qspec.load(name, draft=fmt, draft_lm_head=fmt)
     plain = [eng.generate(p, max_new_tokens=48, speculative=False).tokens for p in prompts]
+    drafted = 0
     for prompt, want in zip(prompts, plain):
         for k in (1, 4, "auto"):
             r = eng.generate(prompt, max_new_tokens=48, draft_max=k)
             assert r.tokens == want, f"{name} {fmt} K={k} isa={_C.cpu_info()['isa_selected']}: {prompt!r}"
-            assert r.stats["drafted"] > 0
+            drafted += r.stats["drafted"]  # a step may be the prompt lookup's alone (qspec/lookup.py)
+    assert drafted > 0
     del eng
     shared_head = qspec.load(name, draft=fmt, draft_lm_head="bf16")
     for prompt, want in zip(prompts[:2], plain[:2]):

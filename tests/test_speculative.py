@@ -52,12 +52,14 @@ def plain_greedy(engine, prompt, n, isa):
 
 def check_lossless(engine, prompts, n, ks, isa):
     _C.set_isa_limit(isa)
+    drafted = 0
     for prompt in prompts:
         want = plain_greedy(engine, prompt, n, isa)
         for k in ks:
             got = engine.generate(prompt, max_new_tokens=n, draft_max=k)
             assert got.tokens == want, f"isa={isa} draft={engine.draft.fmt} K={k}: {prompt!r} differs"
-            assert got.stats["drafted"] > 0
+            drafted += got.stats["drafted"]  # a step may be the prompt lookup's alone (qspec/lookup.py)
+    assert drafted > 0
 
 
 # CI subset: every draft format at the CPU's level, a few prompts and K values (the two default

@@ -247,11 +247,14 @@ def native_engine(model_dir):
 def test_native_greedy_tree_equals_plain(default_model_dir, caps):
     eng = native_engine(default_model_dir)
     prompts = dev_prompts()
+    steps = rows = 0
     for prompt in prompts[:2] + prompts[-1:]:
         want = eng.generate(prompt, max_new_tokens=40, speculative=False).tokens
         got = eng.generate(prompt, max_new_tokens=40, tree="on", **caps)
         assert got.tokens == want, (caps, prompt)
-        assert got.stats["tree_steps"] > 0 and got.stats["tree_verify_rows"] >= 2 * got.stats["tree_steps"]
+        steps += got.stats["tree_steps"]  # a step may be the prompt lookup's alone (qspec/lookup.py)
+        rows += got.stats["tree_verify_rows"]
+    assert steps > 0 and rows >= 2 * steps
 
 
 def test_native_tree_auto_and_sampling_seeded(default_model_dir):
@@ -283,7 +286,7 @@ def test_generate_takes_the_default_tree_of_its_kernel_path(default_model_dir, m
     assert off.tokens == want and not off.stats.get("tree_steps")  # SmolLM2-135M: below SMALL_MODEL_PARAMS
     monkeypatch.setattr(engine, "SMALL_MODEL_PARAMS", 0)
     monkeypatch.setitem(engine.DEFAULT_TREE_BY_ISA, eng.backend.kernel_path, "on")
-    on = eng.generate(prompt, max_new_tokens=32)
+    on = eng.generate(prompt, max_new_tokens=32, lookup="off")  # the default tree is the subject
     assert on.tokens == want and on.stats["tree_steps"] > 0
     assert not eng.generate(prompt, max_new_tokens=32, tree="off").stats.get("tree_steps")
 
