@@ -442,7 +442,8 @@ def _cmd_info(a: argparse.Namespace) -> int:
     big = f"{SMALL_MODEL_PARAMS // 1_000_000}M GEMM weights"
     tree, small = (default_tree(info["isa_selected"], n) for n in (SMALL_MODEL_PARAMS, 0))
     print(f"defaults   draft {DEFAULT_DRAFT.fmt} from {big} ({SMALL_MODEL_DRAFT.fmt} below), draft_max auto; "
-          f"tree {tree}" + (f" from {big} at this ISA level ({small} below)" if tree != small else ""))
+          f"tree {tree}" + (f" from {big} at this ISA level ({small} below)" if tree != small else "")
+          + "; lookup auto (greedy)")
     if info["isa_emulation"]:
         print("note       test build: the avx512/avx512_bf16/amx levels run on emulated intrinsics (slow)")
     return 0

@@ -42,6 +42,7 @@ def test_info_names_the_defaults_of_this_isa_level():
     assert "draft mxfp4 from 300M GEMM weights (mxfp6_e2m3 below)" in line, line
     tree = DEFAULT_TREE_BY_ISA.get(cpu_info()["isa_selected"], "off")
     assert f"tree {tree}" + (" from 300M GEMM weights at this ISA level (off below)" if tree != "off" else "") in line, line
+    assert line.endswith("; lookup auto (greedy)"), line
 
 
 def test_bad_qspec_isa():
