@@ -142,6 +142,14 @@ def check_formats(chain: Sequence[str]) -> None:
         raise ValueError(f"a draft chain holds at most {MAX_MX_LEVELS} MX casts of the target")
 
 
+def _accept_linear(toks: list[int], rows: np.ndarray) -> list[int]:
+    """Greedy acceptance of a linear pass over toks = [last, d1..dm]: the drafts up to the first one
+    that is not the target's argmax at the row before it, then the target's next token."""
+    best = argmax(rows)
+    m = next((j for j in range(1, len(toks)) if toks[j] != best[j - 1]), len(toks))
+    return toks[1:m] + [best[m - 1]]
+
+
 @dataclass
 class LevelStats:
     drafted: int = 0      # tokens this level proposed to the level below
@@ -278,9 +286,8 @@ class Chain:
         backend = self.levels[0].backend
         if t.parent[k + 1] == k:  # the candidates go on from the chain's end: one longer chain
             toks = [last] + t.tokens[1:len(kept)]
-            best = argmax(backend.forward(toks, pos, all_logits=True))
-            m = next((j for j in range(1, len(toks)) if toks[j] != best[j - 1]), len(toks))
-            path, new = list(range(m)), toks[1:m] + [best[m - 1]]
+            new = _accept_linear(toks, backend.forward(toks, pos, all_logits=True))
+            path = list(range(len(new)))
         else:  # they leave the chain: a tree of two branches
             toks, rows = verify_pass(backend, t, kept, pos)
             path, new = accept_greedy(t, kept, rows)
@@ -294,13 +301,12 @@ class Chain:
         """A step without drafting: the target checks [last] + the lookup's `g` in one pass (greedy)."""
         toks = [last] + g
         t0 = time.perf_counter()
-        best = argmax(self.levels[0].score(toks, pos))
+        new = _accept_linear(toks, self.levels[0].score(toks, pos))
         lk.observe_verify(len(toks), time.perf_counter() - t0)
-        m = next((j for j in range(1, len(toks)) if toks[j] != best[j - 1]), len(toks))
         self.lookup_steps += 1
         self.lookup_rows += len(g)
-        self.lookup_accepted += m - 1
-        return toks[1:m] + [best[m - 1]]
+        self.lookup_accepted += len(new) - 1
+        return new
 
     def tokens(self, backend, first_logits: np.ndarray, max_new: int, eos_ids: set[int],
                history: list[int], stats: dict[str, float]) -> Iterator[int]:
