@@ -18,6 +18,8 @@ of the weight to exceed the last-level cache, so bytes really come from DRAM (as
 Each line names the GEMM path it timed; `*` marks the path the dispatcher takes for that M
 (gemm_choose: e.g. amx for BF16 at every M on an AMX machine). The summary gives, per shape and
 format, the dispatcher's path(s) over M <= 64 (one path: batch invariance) and v(M) = M / M=1 time.
+Variants of a path that give its bits, timed beside it: avx512_maddubs (MXFP4 without VNNI) and,
+where the avx512_bf16 path takes FMAs (Intel, from _C.BF16_FMA_ROWS rows), avx512_dpbf16.
 
 `--shapes 1536x576,4096x4096` benchmarks just those N x K shapes (model "custom");
 `--no-torch` skips the torch baseline. A/B against a saved build of the extension:
@@ -180,6 +182,10 @@ def run(args) -> list[dict]:
                         for nb in args.mx_row_blocks:  # the VNNI kernel at a forced stream count
                             fns[f"avx512_vnni_rb{nb}"] = Rotating(ws, lambda w, nb=nb: _row_blocks(w, x, y, nb), cursor)
                             paths.append(f"avx512_vnni_rb{nb}")
+                    if fmt == "bf16" and "avx512_bf16" in paths and _C.bf16_fma() and m >= _C.BF16_FMA_ROWS:
+                        # the avx512_bf16 path takes FMAs from here (same bits): vdpbf16ps beside it
+                        fns["avx512_dpbf16"] = Rotating(ws, lambda w: _dpbf16(w, x, y), cursor)
+                        paths.append("avx512_dpbf16")
                     with torch.inference_mode():
                         if tws:
                             fns["torch"] = Rotating(tws, lambda w: F.linear(tx, w))
@@ -196,7 +202,8 @@ def run(args) -> list[dict]:
                         gbps = nbytes / s / 1e9
                         pct = spread([100 * nbytes / pr.result[p] / 1e9 / f for pr, f in zip(meter.pairs, floors)])
                         label = "avx512_vnni" if p == "avx512" and fmt == "mxfp4" and _C.mx_vnni() else p
-                        isa = "avx512" if p.startswith("avx512_") and fmt == "mxfp4" else p  # the variants
+                        isa = "avx512" if p.startswith("avx512_") and fmt == "mxfp4" else \
+                            "avx512_bf16" if p == "avx512_dpbf16" else p  # the variants
                         row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": isa,
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
                                "synthetic": real is None, "m": m, "k": k, "n": n, "threads": threads,
@@ -230,6 +237,15 @@ def _maddubs(w, x, y):
         _C.gemm(w, x, y, "avx512")
     finally:
         _C.set_mx_vnni(old)
+
+
+def _dpbf16(w, x, y):
+    """The avx512_bf16 path with vdpbf16ps where it would take FMAs (same bits)."""
+    old = _C.set_bf16_fma(False)
+    try:
+        _C.gemm(w, x, y, "avx512_bf16")
+    finally:
+        _C.set_bf16_fma(old)
 
 
 def _row_blocks(w, x, y, n):

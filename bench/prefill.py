@@ -14,13 +14,15 @@ Per prompt length L (real text: a standard-library source file and a question, b
                  prefill time, attention_share = attention's
   peak_gflops    the CPU's peak for the kernel family the GEMMs run at the selected ISA level,
                  measured in the same run (_C.compute_peak: register-only chains of vfmadd231ps
-                 on AVX2 / AVX-512, vdpbf16ps on AVX512-BF16, TDPBF16PS on AMX, on every thread);
+                 on AVX2 / AVX-512 (and AVX512-BF16 where _C.bf16_fma(): Intel), vdpbf16ps on
+                 AVX512-BF16 elsewhere, TDPBF16PS on AMX, on every thread);
                  of_peak = gemm_gflops / peak_gflops. clock_peak_gflops is the clock-based figure
                  beside it: threads x clock x FLOPs per cycle and core (FP32 FMA: 2 x 8 lanes x 2
                  on AVX2, 2 x 16 x 2 on AVX-512; vdpbf16ps: 2 x 32 x 2; AMX TDPBF16PS: 1024),
                  clock = the highest 'cpu MHz' of /proc/cpuinfo (or the cpufreq maximum). A VM
                  shows neither the real clock nor the issue rate (Zen 4 issues one 512-bit
-                 vdpbf16ps a cycle, Sapphire Rapids two), so the measured peak is the one to use.
+                 vdpbf16ps a cycle; a Sapphire Rapids Xeon one every other cycle, against two
+                 FMAs a cycle), so the measured peak is the one to use.
   torch_gflops   torch.nn.functional.linear (oneDNN) BF16 on the model's MLP gate|up shape
                  [min(L, 2048), hidden] x [2 · intermediate, hidden]^T, same run and threads;
                  qspec_mlp_gflops is qspec's gate|up GEMM in the prefill
@@ -65,14 +67,20 @@ def cpu_clock_hz() -> float | None:
         return None
 
 
+def gemm_family(isa: str) -> str:
+    """The ISA level whose GEMM instruction a prefill runs: avx512_bf16 takes FMAs (avx512's) for
+    its many rows where _C.bf16_fma() (Intel: the same bits as vdpbf16ps, csrc/gemm.h)."""
+    return "avx512" if isa == "avx512_bf16" and _C.bf16_fma() else isa
+
+
 def clock_peak_gflops(threads: int, isa: str) -> float | None:
     hz = cpu_clock_hz()
-    return None if hz is None else threads * hz * FLOPS_PER_CYCLE[isa] / 1e9
+    return None if hz is None else threads * hz * FLOPS_PER_CYCLE[gemm_family(isa)] / 1e9
 
 
 def measured_peak_gflops(isa: str) -> float | None:
     """The GEMM family's measured peak on the pool's threads (median of 3 probes), None on scalar."""
-    kind = PEAK_KIND.get(isa)
+    kind = PEAK_KIND.get(gemm_family(isa))
     return None if kind is None else statistics.median(_C.compute_peak(kind, 0.25) for _ in range(3))
 
 
@@ -171,7 +179,7 @@ def main(argv=None) -> None:
     isa = _C.isa_selected()
     clock_peak, clock = clock_peak_gflops(args.threads, isa), cpu_clock_hz()
     print(f"# model {model_label(eng)}; GEMM clock peak {clock_peak and f'{clock_peak:.0f}'} GFLOP/s = {args.threads} "
-          f"threads x {clock and f'{clock / 1e9:.2f}'} GHz x {FLOPS_PER_CYCLE[isa]} FLOP/cycle ({isa})", flush=True)
+          f"threads x {clock and f'{clock / 1e9:.2f}'} GHz x {FLOPS_PER_CYCLE[gemm_family(isa)]} FLOP/cycle ({isa})", flush=True)
     prompts = {n: long_prompts(eng, n, 1)[0] for n in args.lengths}
     qspec_prefill(eng, prompts[args.lengths[0]][:64])  # warm-up: page the weights in
     rows = []
@@ -198,7 +206,7 @@ def main(argv=None) -> None:
             rows.append(row)
             out.write(row)
             if peak is not None:
-                print(f"# measured GEMM peak ({PEAK_KIND[isa]}, {args.threads} threads): {peak:.0f} GFLOP/s", flush=True)
+                print(f"# measured GEMM peak ({PEAK_KIND[gemm_family(isa)]}, {args.threads} threads): {peak:.0f} GFLOP/s", flush=True)
             print(f"# {len(ids)} tokens: TTFT {row['ttft_s']:.2f} s, {row['prompt_tok_s']:.0f} tok/s", flush=True)
         cols = ("prompt_tokens", "ttft_s", "prompt_tok_s", "gemm_gflops", "peak_gflops", "of_peak", "clock_peak_gflops", "gemm_share",
                 "attention_share", "qspec_mlp_gflops", "torch_gflops", "qspec_mlp_vs_torch",

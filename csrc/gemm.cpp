@@ -372,6 +372,22 @@ std::atomic<bool>& tiles_enabled() {
 }
 }  // namespace
 
+namespace {
+bool bf16_fma_default() {
+  const char* env = std::getenv("QSPEC_BF16_DOT");
+  if (!env || !*env) return cpu_features().vendor == "GenuineIntel";
+  if (std::string(env) == "fma") return true;
+  if (std::string(env) == "dpbf16") return false;
+  throw std::invalid_argument(std::string("QSPEC_BF16_DOT='") + env + "' is not one of fma, dpbf16");
+}
+std::atomic<bool>& bf16_fma_enabled() {
+  static std::atomic<bool> on{bf16_fma_default()};
+  return on;
+}
+}  // namespace
+
+bool set_bf16_fma(bool enabled) { return bf16_fma_enabled().exchange(enabled); }
+bool bf16_fma() { return bf16_fma_enabled().load(std::memory_order_relaxed); }
 bool set_mx_vnni(bool enabled) { return vnni_enabled().exchange(enabled); }
 bool set_mx_tiles(bool enabled) { return tiles_enabled().exchange(enabled); }
 bool mx_tiles() { return tiles_enabled().load(std::memory_order_relaxed); }
@@ -463,6 +479,22 @@ GemmArgs args_of(const PackedWeight& w, int64_t m, float* y, int64_t ldy) {
   return a;
 }
 
+// convert(r0, rows) over a call's m rows of K k: on the calling thread, or for large prefill calls
+// on the pool, chunks of 16 rows from a shared counter (each chunk written by one thread).
+template <typename F>
+void convert_rows(int64_t m, int64_t k, const F& convert) {
+  if (m * k < (int64_t(1) << 18) || Pool::instance().threads() == 1) {
+    convert(0, m);
+    return;
+  }
+  std::atomic<int64_t> next_row{0};
+  auto body = [&](int) {
+    for (int64_t r0; (r0 = next_row.fetch_add(16, std::memory_order_relaxed)) < m;)
+      convert(r0, std::min<int64_t>(16, m - r0));
+  };
+  Pool::instance().run(body);
+}
+
 // x rows rounded to bf16 for the avx512_bf16 / amx kernels: [mpad][kp] (padding rows and
 // columns zero), in the A-tile order (tiles, amx prefill), or with their k pairs interleaved over
 // pairs_ld rows (avx512_bf16, a verify's 9-24 rows: GemmArgs::xbf_ld).
@@ -472,17 +504,9 @@ void round_bf16_act(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t k
   // layout writes its own)
   if (tiles) std::fill(xb + (mpad - 16) * kp, xb + mpad * kp, uint16_t(0));
   else if (!pairs_ld) std::fill(xb + m * kp, xb + mpad * kp, uint16_t(0));
-  // Large prefill calls convert their rows on the pool (chunks of 16 rows from a shared counter).
-  if (m * k < (int64_t(1) << 18) || Pool::instance().threads() == 1) {
-    detail::round_bf16_rows_avx512(x, m, ldx, k, kp, xb, 0, tiles, pairs_ld);  // both paths have AVX-512
-    return;
-  }
-  std::atomic<int64_t> next_row{0};
-  auto body = [&](int) {
-    for (int64_t r0; (r0 = next_row.fetch_add(16, std::memory_order_relaxed)) < m;)
-      detail::round_bf16_rows_avx512(x + r0 * ldx, std::min<int64_t>(16, m - r0), ldx, k, kp, xb, r0, tiles, pairs_ld);
-  };
-  Pool::instance().run(body);
+  convert_rows(m, k, [&](int64_t r0, int64_t rows) {  // both paths have AVX-512
+    detail::round_bf16_rows_avx512(x + r0 * ldx, rows, ldx, k, kp, xb, r0, tiles, pairs_ld);
+  });
 }
 
 // Runs kernel over row blocks [0, nblk) of a call on the pool (a.m rows prepared by the caller).
@@ -554,6 +578,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   thread_local LineVector<int8_t> xq;
   thread_local LineVector<float> xd;
   thread_local LineVector<int32_t> xc;
+  thread_local LineVector<float> xf;
   const bool q4_tiles = p == GemmPath::amx && a.kind == detail::kQ4;
   const bool bf16_act = p == GemmPath::avx512_bf16 || (p == GemmPath::amx && !q4_tiles);
   if (q4_tiles) {  // two int8 parts per row (gemm_q4_amx.cpp)
@@ -576,12 +601,22 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
     a.xc = xc.data();
   } else if (bf16_act) {
     a.mpad = p == GemmPath::amx && m > 1 ? rup(m, 16) : m;  // amx: whole 16-row tiles (gemm_amx.cpp)
+    if (p == GemmPath::avx512_bf16 && bf16_fma() && m >= kBf16FmaRows) {  // fp32 pairs (gemm_bf16fma_avx512.cpp)
+      a.xf_group = std::min<int64_t>(m, 16);
+      fit(xf, rup(m, a.xf_group) * a.kp);
+      float* const xfp = xf.data();  // the caller's (a worker's thread_local would be its own)
+      convert_rows(m, w.k, [&](int64_t r0, int64_t rows) {
+        detail::expand_bf16_pairs_avx512(x + r0 * ldx, rows, ldx, w.k, a.kp, a.xf_group, xfp, r0);
+      });
+      a.xf = xfp;
+    } else {
     a.xbf_tiles = p == GemmPath::amx && a.mpad > 16;  // 2+ row tiles: A tiles of 1 KB (gemm_amx.cpp)
     // a verify's 9-24 rows: k pairs interleaved for the 16-row tiles (5 rows measured ~8% slower so)
     if (p == GemmPath::avx512_bf16 && m > 8 && m <= detail::kPrefillRows) a.xbf_ld = m;
     uint16_t* const xb = bf16_rows(a.mpad * a.kp);
     round_bf16_act(x, m, ldx, w.k, a.kp, a.mpad, a.xbf_tiles, xb, a.xbf_ld);
     a.xbf = xb;
+    }
   } else if (w.k != a.kp) {
     fit(xpad, m * a.kp);
     for (int64_t i = 0; i < m; ++i) {
@@ -602,7 +637,7 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
     case GemmPath::avx512:
       kernel = a.kind == detail::kQ4 && mx_vnni() ? detail::gemm_blocks_q4_vnni : detail::gemm_blocks_avx512;
       break;
-    case GemmPath::avx512_bf16: kernel = detail::gemm_blocks_avx512_bf16; break;
+    case GemmPath::avx512_bf16: kernel = a.xf ? detail::gemm_blocks_bf16_fma : detail::gemm_blocks_avx512_bf16; break;
     case GemmPath::amx: kernel = a.kind == detail::kQ4 ? detail::gemm_blocks_q4_amx : detail::gemm_blocks_amx; break;
   }
 

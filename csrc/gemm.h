@@ -22,9 +22,9 @@
 // Arithmetic (what every path computes; `ref` spells it out in scalar code):
 //   bf16          y = fma chain over k ascending (x fp32, +0 start). avx2 / avx512 / ref are
 //                 bit-identical. avx512_bf16 rounds x to bf16 (RNE) and uses vdpbf16ps over k
-//                 pairs; amx rounds x alike and accumulates each y in an fp32 C tile (zeroed)
-//                 with one tdpbf16ps per 32 k, k ascending, over all of K: both agree with ref
-//                 only to a tolerance.
+//                 pairs (or its arithmetic with FMAs, bf16_fma() below); amx rounds x alike
+//                 and accumulates each y in an fp32 C tile (zeroed) with one tdpbf16ps per
+//                 32 k, k ascending, over all of K: both agree with ref only to a tolerance.
 //
 // Paths per ISA level (gemm_choose). The amx level serves BF16 weights with tiles at every M
 // (decode, verify and prefill: each C row comes from its own x row only, so a row's bits do not
@@ -114,6 +114,19 @@ bool mx_tiles();
 // previous setting. mx_vnni(): VNNI is available and enabled.
 bool set_mx_vnni(bool enabled);
 bool mx_vnni();
+
+// The avx512_bf16 path's BF16 GEMM sums each k pair with vdpbf16ps, or from kBf16FmaRows rows
+// with two FMAs under FTZ | DAZ, odd element first (gemm_bf16fma_avx512.cpp): vdpbf16ps's
+// arithmetic as Intel's SDM defines it, checked bit for bit on Intel hardware, so a row keeps its
+// bits whichever a call takes (batch invariance). Intel issues two 512-bit FMAs a cycle but one
+// vdpbf16ps every other cycle (a model-167 Xeon: 430 against 216 GFLOP/s, 2 threads), so the FMAs
+// are the default there: a 9-16-row verify and a prefill are compute-bound at that level. AMD
+// (Zen 4 issues one of either a cycle, and does not document its vdpbf16ps rounding) and
+// anything else keep vdpbf16ps at every M. QSPEC_BF16_DOT=fma | dpbf16 at start, or
+// set_bf16_fma(), sets it for the process (tests, A/B runs). Returns the previous setting.
+constexpr int64_t kBf16FmaRows = 7;
+bool set_bf16_fma(bool enabled);
+bool bf16_fma();
 
 // Row blocks (16 outputs each) the VNNI MXFP4 kernel streams at once for a tile of `rows` rows.
 // Each output keeps its own integer sums and per-block fma in k order, so the count never

@@ -207,6 +207,12 @@ void bind_gemm(py::module_& m) {
     return r;
   }, py::arg("w"), py::arg("m"), "GEMM paths usable on this CPU for this weight and M");
 
+  m.def("set_bf16_fma", &set_bf16_fma, py::arg("enabled"),
+        "Let the avx512_bf16 path sum BF16 k pairs from BF16_FMA_ROWS rows with two FMAs under FTZ/DAZ "
+        "(vdpbf16ps's arithmetic, default on Intel) instead of vdpbf16ps (default elsewhere); returns the "
+        "previous setting");
+  m.def("bf16_fma", &bf16_fma, "Whether the avx512_bf16 path uses FMAs (csrc/gemm.h)");
+  m.attr("BF16_FMA_ROWS") = kBf16FmaRows;
   m.def("set_mx_vnni", &set_mx_vnni, py::arg("enabled"),
         "Let the avx512 path sum MXFP4 x Q8 products with vpdpbusd (and the draft copy's attention "
         "its INT4 K scores with vpdpwssd) where the CPU has AVX512-VNNI (default; the same bits); "

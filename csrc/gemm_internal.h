@@ -54,6 +54,11 @@ struct GemmArgs {
   // the int32 at xbf + 2 * (k / 2 * xbf_ld + r) (xbf_ld = M), so a tile's rows are broadcast from
   // one pointer at constant offsets (gemm_avx512.cpp); 0: [mpad][kp].
   int64_t xbf_ld = 0;
+  // avx512_bf16 with bf16_fma() from kBf16FmaRows rows (gemm.h): x rounded to bf16 as fp32 values
+  // in groups of xf_group rows, each row's k pairs interleaved (gemm_bf16fma_avx512.cpp); nullptr:
+  // the vdpbf16ps kernels.
+  const float* xf = nullptr;
+  int64_t xf_group = 0;
   const int8_t* xi8 = nullptr;    // amx MXFP4: x in two int8 parts, [2][m][kq] (hi rows, then lo rows)
   const float* xrow = nullptr;    // amx MXFP4: per row, 1 / (128 * 127 / max|x|) (NaN: a non-finite x)
   const int32_t* xsum = nullptr;  // amx MXFP4: per part and row, the sum of its int8 codes, [2][m]
@@ -106,6 +111,7 @@ void gemm_blocks_avx2(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_mx_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ6, byte codes
 void gemm_blocks_avx512_bf16(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
+void gemm_blocks_bf16_fma(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // avx512_bf16, bf16_fma()
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_amx_swiglu(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // gate blocks [nb0, nb1)
 void gemm_blocks_q4_vnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ4, AVX512-VNNI
@@ -122,6 +128,10 @@ void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t 
 void round_bf16_rows_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, uint16_t* out,
                             int64_t row0, bool tiles, int64_t pairs_ld = 0);
 
+// x rows -> the fp32 pairs of gemm_blocks_bf16_fma (rounded as round_bf16_rows_avx512 rounds):
+// row i of x is row row0 + i of out, in groups of `group` rows (row0 a multiple of 16).
+void expand_bf16_pairs_avx512(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int64_t group,
+                              float* out, int64_t row0);
 // Q8 activation quantization (per 32-block of a row); every implementation is bit-identical.
 void quantize_q8_ref(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kp, int8_t* xq,
                      float* xd, int32_t* xc);

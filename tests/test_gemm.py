@@ -5,6 +5,8 @@ The MX element decoding here is written from the format table (MX.md), independe
 qspec/mx.py and csrc/mx.*.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -191,6 +193,67 @@ def test_mxfp4_vnni_and_maddubs_paths_equal_ref(rng):
             y = _C.gemm(pw, x, path="amx")
             assert_mxfp4_amx(y, x, w)
             np.testing.assert_array_equal(y[:1], _C.gemm(pw, x[:1], path="amx"), err_msg=f"m={m}")
+
+
+@pytest.fixture(params=[False, True], ids=["dpbf16", "fma"])
+def bf16_dot(request):
+    """The avx512_bf16 path with vdpbf16ps at every M, or with FMAs from kBf16FmaRows rows."""
+    old = _C.set_bf16_fma(request.param)
+    yield request.param
+    _C.set_bf16_fma(old)
+
+
+def test_bf16_dot_default_and_env():
+    """FMAs by default on Intel only; QSPEC_BF16_DOT picks a process's choice (fma | dpbf16) and
+    any other value is a ValueError naming the choices."""
+    import subprocess
+    import sys
+
+    assert _C.bf16_fma() == (_C.cpu_info()["vendor"] == "GenuineIntel")
+    code = "from qspec import _C; print(_C.bf16_fma())"
+    for value, want in (("fma", "True"), ("dpbf16", "False")):
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "QSPEC_BF16_DOT": value},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "QSPEC_BF16_DOT": "amx"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "not one of fma, dpbf16" in r.stderr
+
+
+def test_avx512_bf16_both_dots_match_ref_and_keep_rows(bf16_dot, rng):
+    """Either way the avx512_bf16 path meets the BF16-activation tolerance at every tile shape of
+    the FMA kernel (7-16 rows one group, 17-24 two, prefill chunks with K chunks, ragged N, padded
+    K) and a row has the same bits at every M, across the switch at kBf16FmaRows rows."""
+    pw, w = make_weight(rng, "bf16", 72, 1000)
+    if "avx512_bf16" not in _C.gemm_paths(pw, 1):
+        pytest.skip("no avx512_bf16 path on this CPU")
+    for m in list(range(1, 18)) + [24, 33, 49, 100]:
+        x = rng.standard_normal((m, 1000)).astype(np.float32)
+        assert_close_to_ref("avx512_bf16", pw.fmt, _C.gemm(pw, x, path="avx512_bf16"), _C.gemm(pw, x, path="ref"), x, w)
+    pw, _ = make_weight(rng, "bf16", 48, 4128)
+    check_invariance(pw, 4128, rng, ms=(2, 6, 7, 9, 16, 17, 24, 30, 49, 100))
+
+
+@pytest.mark.skipif(not _C.cpu_info()["features"]["avx512_bf16"] or _C.cpu_info()["isa_emulation"],
+                    reason="compares with the CPU's own vdpbf16ps")
+def test_bf16_fma_kernel_has_vdpbf16ps_bits(rng):
+    """The FMA kernel gives the vdpbf16ps kernel's bits at every M where it can run, with x and
+    weights small enough that products and sums fall to denormals (FTZ / DAZ) and spread over
+    the exponent range. On AMD this is what would have to hold before bf16_fma() could be on."""
+    n, k = 40, 700
+    for scale in (1.0, 1e-19, 1e-21):
+        bits = bf16_bits(rng.standard_normal((n, k)) * rng.choice([1e-3, 1.0, 1e3], size=(n, k)) * scale)
+        pw = _C.pack_bf16(bits)
+        for m in (7, 9, 16, 17, 24, 49):
+            x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 1e3], size=(m, k)) * scale).astype(np.float32)
+            ys = []
+            for fma in (False, True):
+                old = _C.set_bf16_fma(fma)
+                try:
+                    ys.append(_C.gemm(pw, x, path="avx512_bf16"))
+                finally:
+                    _C.set_bf16_fma(old)
+            np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"scale={scale} m={m}")
 
 
 def test_mxfp4_vnni_row_blocks_keep_the_bits(rng):

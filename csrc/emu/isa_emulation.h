@@ -7,6 +7,8 @@
 // AVX-512: SIMDe (github.com/simd-everywhere/simde) with native aliases, so the kernels compile
 // unchanged. The few intrinsics SIMDe 0.8 lacks are spelled out below with the semantics of
 // the Intel SDM (and, for the horizontal sum, GCC's own order of operations).
+// VDPBF16PS follows the SDM too (odd element first, DAZ / FTZ), as the FMA kernel that
+// reproduces it on Intel needs.
 // AMX: eight software tile registers per thread, configured by the 64-byte TILECFG layout;
 // TDPBF16PS follows the SDM pseudo-code (fp32 products of bf16 pairs, even element first).
 // AVX512-VNNI (vpdpbusd) and VBMI (vpermb) come from SIMDe.
@@ -16,6 +18,7 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -161,6 +164,27 @@ inline float bf16_at(const uint8_t* row, int i) {
   return f;
 }
 
+// VDPBF16PS as the SDM defines it (SIMDe's sums each pair's products in another order): per fp32
+// lane, src += a.odd * b.odd, then src += a.even * b.even, each an fp32 fma (a bf16 product is
+// exact), with denormal inputs read as zero and denormal results flushed (DAZ, FTZ). The kernels'
+// FMA variant (gemm_bf16fma_avx512.cpp) must give these bits.
+inline float flush_denormal(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
+
+inline simde__m512 dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b) {
+  float acc[16];
+  uint8_t x[64], y[64];
+  simde_mm512_storeu_ps(acc, src);
+  std::memcpy(x, &a, 64);
+  std::memcpy(y, &b, 64);
+  for (int i = 0; i < 16; ++i) {
+    float s = flush_denormal(acc[i]);
+    for (int e = 1; e >= 0; --e)
+      s = flush_denormal(std::fma(flush_denormal(bf16_at(x, 2 * i + e)), flush_denormal(bf16_at(y, 2 * i + e)), s));
+    acc[i] = s;
+  }
+  return simde_mm512_loadu_ps(acc);
+}
+
 // C[m][n] += A.bf16[m][2k] * B.bf16[k][2n] + A.bf16[m][2k+1] * B.bf16[k][2n+1], k ascending.
 // Row m of C reads only row m of A (and all of B): the configured row count never changes a
 // row's result. Shapes the hardware rejects (#UD) are rejected here too.
@@ -215,6 +239,8 @@ inline void tile_dpbssd(int c, int a, int b) {
 #undef _mm512_reduce_add_ps
 #define _mm512_reduce_add_ps(a) qspec_emu::reduce_add_ps(a)
 
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps(src, a, b) qspec_emu::dpbf16_ps(src, a, b)
 #undef _tile_loadconfig
 #define _tile_loadconfig(cfg) qspec_emu::tile_loadconfig(cfg)
 #undef _tile_release

@@ -3,7 +3,9 @@
 //                so bit-identical to ref and avx2 for every format. BF16 and MXFP4 here, the
 //                other MX formats in gemm_mx_avx512.cpp.
 //   avx512_bf16  BF16 weights only: x rounded to bf16 by the driver, vdpbf16ps per k pair
-//                (one chain per output element over k pairs: batch invariant).
+//                (one chain per output element over k pairs: batch invariant). From
+//                kBf16FmaRows rows on Intel the same arithmetic runs on FMAs instead
+//                (gemm_bf16fma_avx512.cpp, bf16_fma() in gemm.h).
 // Tested against ref on AVX-512 hardware (a Sapphire Rapids VM) and under emulation
 // (tests/test_isa_emulation.py).
 // Everything here is static / anonymous-namespace except the entry points (gemm_internal.h).
@@ -25,6 +27,8 @@ constexpr int64_t kPrefetchK = 32;
 
 using avx512::acc_row;
 using avx512::e8m0x16;
+using avx512::round16_bf16;
+using avx512::transpose16;
 using avx512::store_rows;
 
 // ----------------------------------------------------------------------------- BF16, fp32 x
@@ -223,48 +227,6 @@ void gemm_blocks_avx512(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc)
     case kBf16: run_blocks(a, nb0, nb1, acc, bf16_table().t, a.m == 1 ? 1 : 6, 32, narrow_blocks(a.m)); break;
     case kQ4: run_blocks(a, nb0, nb1, acc, q4_table().t, 4, 16, narrow_blocks(a.m)); break;
     default: gemm_blocks_mx_avx512(a, nb0, nb1, acc); break;  // kQ6, kF16Shl, kF16Sra, kI8
-  }
-}
-
-// fp32 -> bf16 bits, round to nearest even (u + 0x7FFF + bit 16), NaN quieted (u | 0x400000):
-// 16 values a step, the row's tail through masks, zeros from k to kp.
-inline __m256i round16_bf16(const float* src, int64_t c, int64_t k) {
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
-  const __m512i quiet = _mm512_set1_epi32(0x00400000), bias = _mm512_set1_epi32(0x7FFF);
-  const __m512i one = _mm512_set1_epi32(1);
-  const __mmask16 in = c + 16 <= k ? __mmask16(0xFFFF) : c >= k ? __mmask16(0) : __mmask16((1u << (k - c)) - 1);
-  const __m512i u = _mm512_maskz_loadu_epi32(in, src + c);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-  __m512i v = _mm512_add_epi32(_mm512_add_epi32(u, bias), odd);
-  v = _mm512_mask_or_epi32(v, nan, u, quiet);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16));
-}
-
-// r[0..15] (16 x 16 int32) transposed in place.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows i, i+4, i+8, i+12 hold lane-quarters of 4 columns
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "gemm_internal.h"
+#include "vec_avx512.h"
 
 namespace qspec {
 namespace detail {
@@ -39,6 +40,24 @@ static inline __m512 e8m0x16(const uint8_t* p) {
   return _mm512_castsi512_ps(bits);
 }
 
+
+// fp32 -> bf16 bits, round to nearest even (u + 0x7FFF + bit 16), NaN quieted (u | 0x400000):
+// 16 values a step, the row's tail through masks, zeros from k to kp.
+static inline __m256i round16_bf16(const float* src, int64_t c, int64_t k) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+  const __m512i quiet = _mm512_set1_epi32(0x00400000), bias = _mm512_set1_epi32(0x7FFF);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __mmask16 in = c + 16 <= k ? __mmask16(0xFFFF) : c >= k ? __mmask16(0) : __mmask16((1u << (k - c)) - 1);
+  const __m512i u = _mm512_maskz_loadu_epi32(in, src + c);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+  __m512i v = _mm512_add_epi32(_mm512_add_epi32(u, bias), odd);
+  v = _mm512_mask_or_epi32(v, nan, u, quiet);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16));
+}
+
+// r[0..15] (16 x 16 int32) transposed in place (vec_avx512.h's transpose of 32-bit lanes).
+static inline void transpose16(__m512i r[16]) { qspec::avx512::transpose16(reinterpret_cast<__m512*>(r)); }
 
 // A register tile: rows [m0, m0 + mb) of x times nbn row blocks from nb, MX blocks of [k0, k1).
 using TileFn = void (*)(const GemmArgs&, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init);
