@@ -436,6 +436,11 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"os         {' '.join(k for k, v in info['os_enabled'].items() if v) or '-'}")
     print(f"isa        detected {info['isa_detected']}, selected {info['isa_selected']} "
           f"(levels: {', '.join(info['isa_levels'])}; QSPEC_ISA lowers it)")
+    if info["isa_selected"] == "avx512_bf16":  # the level's BF16 sums (csrc/gemm.h: bf16_fma)
+        from . import _C
+
+        dot = f"FMAs from {_C.BF16_FMA_ROWS} rows, vdpbf16ps below (the same bits)" if _C.bf16_fma() else "vdpbf16ps"
+        print(f"bf16 dot   {dot}; QSPEC_BF16_DOT=fma|dpbf16 sets it")
     print(f"threads    {info['threads']}")
     from .engine import DEFAULT_DRAFT, SMALL_MODEL_DRAFT, SMALL_MODEL_PARAMS, default_tree
 

@@ -205,7 +205,7 @@ def bf16_dot(request):
 
 def test_bf16_dot_default_and_env():
     """FMAs by default on Intel only; QSPEC_BF16_DOT picks a process's choice (fma | dpbf16) and
-    any other value is a ValueError naming the choices."""
+    any other value is one CLI line naming the choices, before anything is loaded."""
     import subprocess
     import sys
 
@@ -215,9 +215,10 @@ def test_bf16_dot_default_and_env():
         r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "QSPEC_BF16_DOT": value},
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "QSPEC_BF16_DOT": "amx"},
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "not one of fma, dpbf16" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "qspec", "generate", "hi", "--max-new-tokens", "2"],
+                       env={**os.environ, "QSPEC_BF16_DOT": "amx"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "qspec: error: QSPEC_BF16_DOT='amx' is not one of fma, dpbf16"], r.stderr
 
 
 def test_avx512_bf16_both_dots_match_ref_and_keep_rows(bf16_dot, rng):
