@@ -230,31 +230,26 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _maddubs(w, x, y):
-    """The avx512 MXFP4 path with vpmaddubsw instead of vpdpbusd (same bits)."""
-    old = _C.set_mx_vnni(False)
-    try:
-        _C.gemm(w, x, y, "avx512")
-    finally:
-        _C.set_mx_vnni(old)
+def _variant(setter, value, path):
+    """A runner of `path` with one of its same-bits switches set (setter: a _C.set_* that returns
+    the previous setting), restored after each call."""
+    def run(w, x, y):
+        old = setter(value)
+        try:
+            _C.gemm(w, x, y, path)
+        finally:
+            setter(old)
+    return run
 
 
-def _dpbf16(w, x, y):
-    """The avx512_bf16 path with vdpbf16ps where it would take FMAs (same bits)."""
-    old = _C.set_bf16_fma(False)
-    try:
-        _C.gemm(w, x, y, "avx512_bf16")
-    finally:
-        _C.set_bf16_fma(old)
+# the variants timed beside a path: vpmaddubsw instead of vpdpbusd (MXFP4), vdpbf16ps where the
+# avx512_bf16 path would take FMAs, n row blocks streamed at once by the VNNI MXFP4 kernel
+_maddubs = _variant(_C.set_mx_vnni, False, "avx512")
+_dpbf16 = _variant(_C.set_bf16_fma, False, "avx512_bf16")
 
 
 def _row_blocks(w, x, y, n):
-    """The avx512 MXFP4 path (VNNI) streaming n row blocks at once at every M (same bits)."""
-    old = _C.set_mx_row_blocks(n)
-    try:
-        _C.gemm(w, x, y, "avx512")
-    finally:
-        _C.set_mx_row_blocks(old)
+    _variant(_C.set_mx_row_blocks, n, "avx512")(w, x, y)
 
 
 def model_d_table(rows: list[dict]) -> list[dict]:

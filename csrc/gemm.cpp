@@ -358,30 +358,24 @@ std::atomic<bool>& vnni_enabled() {
   static std::atomic<bool> on{true};
   return on;
 }
-// QSPEC_MX_PATH=amx starts a process with MXFP4 on the amx path at the amx level (wide trees,
-// A/B runs of whole programs); avx512 or unset: the avx512 path. Anything else is a user error.
-bool tiles_from_env() {
-  const char* env = std::getenv("QSPEC_MX_PATH");
-  if (!env || !*env || std::string(env) == "avx512") return false;
-  if (std::string(env) == "amx") return true;
-  throw std::invalid_argument(std::string("QSPEC_MX_PATH='") + env + "' is not one of amx, avx512");
+// A process-wide switch read from the environment at first use: `on` or `off`, unset or empty:
+// `unset`; anything else is a user error (a ValueError naming the choices).
+bool env_switch(const char* var, const char* on, const char* off, bool unset) {
+  const char* env = std::getenv(var);
+  if (!env || !*env) return unset;
+  if (std::string(env) == on) return true;
+  if (std::string(env) == off) return false;
+  throw std::invalid_argument(std::string(var) + "='" + env + "' is not one of " + on + ", " + off);
 }
+// QSPEC_MX_PATH=amx starts a process with MXFP4 on the amx path at the amx level (wide trees,
+// A/B runs of whole programs); avx512 or unset: the avx512 path.
 std::atomic<bool>& tiles_enabled() {
-  static std::atomic<bool> on{tiles_from_env()};
+  static std::atomic<bool> on{env_switch("QSPEC_MX_PATH", "amx", "avx512", false)};
   return on;
 }
-}  // namespace
-
-namespace {
-bool bf16_fma_default() {
-  const char* env = std::getenv("QSPEC_BF16_DOT");
-  if (!env || !*env) return cpu_features().vendor == "GenuineIntel";
-  if (std::string(env) == "fma") return true;
-  if (std::string(env) == "dpbf16") return false;
-  throw std::invalid_argument(std::string("QSPEC_BF16_DOT='") + env + "' is not one of fma, dpbf16");
-}
+// QSPEC_BF16_DOT=fma | dpbf16 (gemm.h: bf16_fma); unset: FMAs on Intel.
 std::atomic<bool>& bf16_fma_enabled() {
-  static std::atomic<bool> on{bf16_fma_default()};
+  static std::atomic<bool> on{env_switch("QSPEC_BF16_DOT", "fma", "dpbf16", cpu_features().vendor == "GenuineIntel")};
   return on;
 }
 }  // namespace
