@@ -11,7 +11,7 @@
 // Xeon for 16 M lanes of random operands, 1.4 M of them with denormal results (throwaway C++
 // check; the other order differs in 13-25% of lanes). So a call may take either kernel and a row
 // keeps its bits: the driver (gemm.cpp) takes this one from kBf16FmaRows rows where bf16_fma() is
-// on (Intel), and vdpbf16ps below, where this one measured 6-9% slower (its conversions of x and
+// on (Intel), and vdpbf16ps below, where this one measured 2-13% slower (its conversions of x and
 // of the weights cost more than they save while the weights' bytes are the bound).
 // tests/test_gemm.py compares the two bit for bit on AVX512-BF16 hardware, and batch invariance
 // across M crosses the switch. AMD does not document its vdpbf16ps rounding, so bf16_fma() is off
