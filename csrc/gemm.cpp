@@ -604,12 +604,12 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
       });
       a.xf = xfp;
     } else {
-    a.xbf_tiles = p == GemmPath::amx && a.mpad > 16;  // 2+ row tiles: A tiles of 1 KB (gemm_amx.cpp)
-    // a verify's 9-24 rows: k pairs interleaved for the 16-row tiles (5 rows measured ~8% slower so)
-    if (p == GemmPath::avx512_bf16 && m > 8 && m <= detail::kPrefillRows) a.xbf_ld = m;
-    uint16_t* const xb = bf16_rows(a.mpad * a.kp);
-    round_bf16_act(x, m, ldx, w.k, a.kp, a.mpad, a.xbf_tiles, xb, a.xbf_ld);
-    a.xbf = xb;
+      a.xbf_tiles = p == GemmPath::amx && a.mpad > 16;  // 2+ row tiles: A tiles of 1 KB (gemm_amx.cpp)
+      // a verify's 9-24 rows: k pairs interleaved for the 16-row tiles (5 rows measured ~8% slower so)
+      if (p == GemmPath::avx512_bf16 && m > 8 && m <= detail::kPrefillRows) a.xbf_ld = m;
+      uint16_t* const xb = bf16_rows(a.mpad * a.kp);
+      round_bf16_act(x, m, ldx, w.k, a.kp, a.mpad, a.xbf_tiles, xb, a.xbf_ld);
+      a.xbf = xb;
     }
   } else if (w.k != a.kp) {
     fit(xpad, m * a.kp);
