@@ -50,7 +50,11 @@ constexpr int kMaxNB = 4;
 
 // accumulators + weight halves within the register file (one spare for the address arithmetic)
 constexpr bool fits(int mb, int nb) { return mb * nb + 2 * nb <= 30; }
-constexpr int blocks_for(int mb) { return mb * 4 + 8 <= 30 ? 4 : mb * 3 + 6 <= 30 ? 3 : mb * 2 + 4 <= 30 ? 2 : 1; }
+constexpr int blocks_for(int mb) {  // the most row blocks a tile of mb rows fits
+  int nb = kMaxNB;
+  while (nb > 1 && !fits(mb, nb)) --nb;
+  return nb;
+}
 
 // Rows [0, MB) of the tile at xg (its first row within its group; ld2 = 2G floats per k pair) x NB
 // row blocks from nb, k in [k0, k1) (multiples of 32).
