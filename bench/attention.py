@@ -28,7 +28,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .common import JsonWriter, fmt_table, llc_bytes, parent_parser, print_header, setup
+from .common import (JsonWriter, fmt_table, int_list, llc_bytes, parent_parser, positive_int, print_header,
+                     setup, str_list)
 from qspec import _C
 from qspec.cli import sparse_keys
 from qspec.memory import PAGE_SIZE, draft_copy_arrays, draft_copy_of
@@ -119,17 +120,16 @@ def run(args) -> list[dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser()],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    csv = lambda t: (lambda v: [t(x) for x in v.split(",")])  # noqa: E731
     ap.add_argument("-m", "--model", metavar="NAME|DIR", default=None,
                     help="model whose attention shape to use (default: Qwen2.5-Coder-1.5B's 12/2/128, 28 layers)")
-    ap.add_argument("--contexts", type=csv(int), default=None, help="comma list of contexts L (default 512,2048,8192)")
-    ap.add_argument("--ms", type=csv(int), default=None, help="comma list of rows M per step (default 1,5,9,16)")
-    ap.add_argument("--paths", type=csv(str), default=None, help="comma list of paths (default: every fast path usable here)")
+    ap.add_argument("--contexts", type=int_list, default=None, help="comma list of contexts L (default 512,2048,8192)")
+    ap.add_argument("--ms", type=int_list, default=None, help="comma list of rows M per step (default 1,5,9,16)")
+    ap.add_argument("--paths", type=str_list, default=None, help="comma list of paths (default: every fast path usable here)")
     ap.add_argument("--prefill", action="store_true", help="add M = L rows from position 0 (a whole prompt)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7, --quick 3)")
+    ap.add_argument("--reps", type=positive_int, default=None, help="repetitions (default 7, --quick 3)")
     ap.add_argument("--draft-kv", choices=["int8", "int4"], default=None,
                     help="attend over this draft copy of the cache (the MX drafts' attention) instead of BF16")
-    ap.add_argument("--draft-sparse", type=csv(sparse_keys), default=None,
+    ap.add_argument("--draft-sparse", type=lambda v: [sparse_keys(x) for x in v.split(",")], default=None,
                     help="with --draft-kv int4: comma list of sparse draft attention budgets to compare (0 = every "
                     "page; default 0)")
     args = ap.parse_args(argv)

@@ -22,7 +22,8 @@ import re
 import statistics
 import time
 
-from .common import JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup
+from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, positive_int,
+                     print_header, setup)
 from .models import load_engine, model_label
 from qspec.speculative import DraftParams
 
@@ -121,11 +122,11 @@ def run(args) -> list[dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser(), model_parser()],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=4, help="sequences at once (default 4)")
+    ap.add_argument("--batch", type=positive_int, default=4, help="sequences at once (default 4)")
     ap.add_argument("--settings", type=_settings, default=None,
                     help="comma list of plain, kN, auto, defaults (default plain,k8,auto,defaults; quick plain,k4,defaults)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of every setting (default 3, quick 1)")
-    ap.add_argument("--max-new", type=int, default=None, help="new tokens per sequence (default 64, quick 16)")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="rounds of every setting (default 3, quick 1)")
+    ap.add_argument("--max-new", type=positive_int, default=None, help="new tokens per sequence (default 64, quick 16)")
     args = ap.parse_args(argv)
     if args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")

@@ -27,8 +27,8 @@ import argparse
 import statistics
 import time
 
-from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup,
-                     time_interleaved)
+from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, positive_int,
+                     print_header, setup, time_interleaved)
 from .models import default_draft_name, load_engine, model_label, parse_draft, step_costs
 
 GEMMS = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -190,15 +190,15 @@ def main(argv=None) -> None:
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", metavar="FMT[:HEAD]", type=_draft, default=None,
                    help="draft format[:LM head format] (default: the model's default draft)")
-    p.add_argument("--context", type=int, default=512, help="positions in the cache before each step (default 512)")
+    p.add_argument("--context", type=positive_int, default=512, help="positions in the cache before each step (default 512)")
     p.add_argument("--ms", type=_ms, default=None,
                    help=f"rows per target pass, comma list in 1..{MAX_M} (default 1,2,3,4,5,6,8,12,16; quick 1,2,4)")
     p.add_argument("--draft-ms", type=_ms, default=None,
                    help=f"rows per draft pass (a tree or a second level checked by the draft), comma list in "
                         f"1..{MAX_M} (default 1,2,4,8; quick 1,4)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 15, quick 3)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts of the speculative run (default 4, quick 2)")
-    p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt there (default 64, quick 32)")
+    p.add_argument("--reps", type=positive_int, default=None, help="timed repetitions per case (default 15, quick 3)")
+    p.add_argument("--prompts", type=positive_int, default=None, help="prompts of the speculative run (default 4, quick 2)")
+    p.add_argument("--max-new", type=positive_int, default=None, help="new tokens per prompt there (default 64, quick 32)")
     args = p.parse_args(argv)
     for name, low in (("context", 1), ("reps", 1), ("prompts", 1), ("max_new", 2)):
         if getattr(args, name) is not None and getattr(args, name) < low:

@@ -35,6 +35,7 @@ if os.environ.get("QSPEC_BENCH_SO"):  # before anything imports qspec._C
     sys.modules["qspec._C"] = _mod
 
 from qspec import _C  # noqa: E402
+from qspec.cli import int_at_least  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEV_PROMPTS = HERE / "prompts" / "dev.jsonl"  # the dev prompt set, shipped with the benchmarks
@@ -42,6 +43,31 @@ DEV_PROMPTS = HERE / "prompts" / "dev.jsonl"  # the dev prompt set, shipped with
 # from a passage given in the prompt): where n-gram drafting pays. `--prompt-file repetition`
 REPETITION_PROMPTS = HERE / "prompts" / "repetition.jsonl"
 SHIPPED_PROMPTS = {"dev": DEV_PROMPTS, "repetition": REPETITION_PROMPTS}
+
+# argparse types for the bench flags: a count or size of 0 or less is one usage line, not a
+# kernel error or a run that never ends
+positive_int = int_at_least(1)
+
+
+def positive_float(s: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return v
+
+
+def int_list(s: str) -> list[int]:
+    """An argparse type: "1,2,4" -> [1, 2, 4], each >= 1."""
+    return [positive_int(x) for x in s.split(",")]
+
+
+def str_list(s: str) -> list[str]:
+    """An argparse type: "a,b" -> ["a", "b"]."""
+    return [x for x in s.split(",") if x]
 
 
 def free_port() -> int:
@@ -54,7 +80,7 @@ def free_port() -> int:
 def parent_parser() -> argparse.ArgumentParser:
     """Options every bench module takes; use as `argparse.ArgumentParser(parents=[...])`."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="threads for qspec and torch (default: all cores)")
     p.add_argument("--json", metavar="PATH", default=None, help="append one JSON line per case")
     p.add_argument("--plot", metavar="PATH", default=None, help="write a PNG plot (matplotlib)")

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from .common import (FloorMeter, JsonWriter, dev_prompts, fmt_spread, fmt_table, model_parser, parent_parser,
-                     print_header, setup, spread)
+                     positive_float, positive_int, print_header, setup, spread)
 from .models import load_engine, model_label, synthetic_backend
 
 SYNTHETIC_CONTEXT = 256
@@ -233,11 +233,11 @@ def run(args) -> list[dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="qspec bench decode", parents=[parent_parser(), model_parser()],
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=5, help="prompts to decode (default 5)")
-    p.add_argument("--window", type=float, default=2.0,
+    p.add_argument("--prompts", type=positive_int, default=5, help="prompts to decode (default 5)")
+    p.add_argument("--window", type=positive_float, default=2.0,
                    help="seconds of decoding per pair: a floor sample every WINDOW seconds (default 2)")
-    p.add_argument("--pairs", type=int, default=10, help="synthetic shapes: windows per run (default 10)")
-    p.add_argument("--repeat", type=int, default=1, help="run everything N times; report the spread of the run medians")
+    p.add_argument("--pairs", type=positive_int, default=10, help="synthetic shapes: windows per run (default 10)")
+    p.add_argument("--repeat", type=positive_int, default=1, help="run everything N times; report the spread of the run medians")
     run(p.parse_args(argv))
 
 

@@ -42,13 +42,12 @@ draft_sparse.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 
-from .common import (JsonWriter, TableStream, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup,
-                     time_interleaved)
+from .common import (JsonWriter, TableStream, dev_prompts, fmt_table, model_parser, parent_parser,
+                     positive_int, print_header, setup, time_interleaved)
 from .models import (default_draft_name, load_engine, model_label, parse_chain_setting, parse_draft, step_costs,
                      synthetic_backend)
 from .long_prompts import long_prompts
@@ -311,17 +310,17 @@ def main(argv=None) -> None:
     p.add_argument("--ks", type=_ks, default=None,
                    help="comma list of K, auto, K@P or auto@P (P = draft_p_min; default 1..8,auto)")
     p.add_argument("--temps", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 0.7])
-    p.add_argument("--prompts", type=int, default=None, help="prompts (default 24, quick 4)")
-    p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (default 128, quick 64)")
+    p.add_argument("--prompts", type=positive_int, default=None, help="prompts (default 24, quick 4)")
+    p.add_argument("--max-new", type=positive_int, default=None, help="new tokens per prompt (default 128, quick 64)")
     p.add_argument("--no-synthetic", action="store_true")
     p.add_argument("--trees", action="store_true",
                    help="add draft trees: at N = K + 1 verify rows per fixed K, and the cost model's choice")
     p.add_argument("--lookup", type=_lookups, default=["auto"],
                    help="prompt-lookup candidates in the verify, comma-separated settings side by side: auto, off "
                    "(default: auto, the engine's default)")
-    p.add_argument("--tree-width", type=int, default=3, choices=range(1, 9), metavar="1..8",
+    p.add_argument("--tree-width", type=positive_int, default=3, choices=range(1, 9), metavar="1..8",
                    help="width of the --trees rows at N = K + 1 (default 3)")
-    p.add_argument("--context", type=int, default=None, metavar="N",
+    p.add_argument("--context", type=positive_int, default=None, metavar="N",
                    help="real long prompts of N tokens (standard-library source + a question) instead of "
                    "the prompt file")
     p.add_argument("--draft-kv", type=lambda s: s.split(","), default=["auto"],

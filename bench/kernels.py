@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .common import (FloorMeter, JsonWriter, Rotating, copies_of, fmt_table, llc_bytes, model_parser,
-                     parent_parser, print_header, reps_for, setup, spread)
+from .common import (FloorMeter, JsonWriter, Rotating, copies_of, fmt_table, int_list, llc_bytes,
+                     model_parser, parent_parser, positive_int, print_header, reps_for, setup, spread, str_list)
 from qspec import _C
 from qspec.draft import cast_rule
 
@@ -343,22 +343,29 @@ def plot(rows: list[dict], path: str, ctx: dict) -> None:
     print(f"plot: {path}")
 
 
+def _shapes(s: str) -> list[tuple[int, int]]:
+    """An argparse type: "1536x1536,8960x1536" -> [(1536, 1536), (8960, 1536)], each dimension >= 1."""
+    try:
+        return [(positive_int(n), positive_int(k)) for n, k in (x.split("x") for x in s.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of NxK, got {s!r}") from None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser(), model_parser(prompts=False)],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    csv = lambda t: (lambda v: [t(x) for x in v.split(",")])  # noqa: E731
-    ap.add_argument("--formats", type=csv(str), default=None,
+    ap.add_argument("--formats", type=str_list, default=None,
                     help=f"comma list (default {','.join(FORMATS)}; quick {','.join(QUICK_FORMATS)})")
-    ap.add_argument("--ms", type=csv(int), default=None, help="comma list of M (default 1,2,4,8,16,64,256)")
-    ap.add_argument("--models", type=csv(str), default=None, help=f"comma list of {', '.join(MODELS)}")
-    ap.add_argument("--shapes", type=csv(lambda v: tuple(int(t) for t in v.split("x"))), default=None,
+    ap.add_argument("--ms", type=int_list, default=None, help="comma list of M (default 1,2,4,8,16,64,256)")
+    ap.add_argument("--models", type=str_list, default=None, help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--shapes", type=_shapes, default=None,
                     help="comma list of NxK shapes (instead of the model layers)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch F.linear baseline")
     ap.add_argument("--real-weights", action="store_true",
                     help="with --model: the model's own weights (its middle layer and LM head; MX formats "
                          "cast as the drafts are) instead of synthetic ones: the amx MXFP4 path's speed "
                          "depends on how its block scales spread")
-    ap.add_argument("--mx-row-blocks", type=csv(int), default=[],
+    ap.add_argument("--mx-row-blocks", type=int_list, default=[],
                     help="also time the VNNI MXFP4 kernel at these forced row-block counts (1, 2, 4: paths "
                          "avx512_vnni_rbN), beside the count this CPU takes (csrc/gemm.h)")
     args = ap.parse_args(argv)

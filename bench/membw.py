@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .common import JsonWriter, fmt_table, parent_parser, print_header, setup
+from .common import JsonWriter, fmt_table, parent_parser, positive_int, print_header, setup
 from qspec import _C
 
 
@@ -56,7 +56,7 @@ def row(kind: str, p, gb: list[float]) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser()],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mib", type=int, default=None, help="buffer size (default 512, quick 256)")
+    ap.add_argument("--size-mib", type=positive_int, default=None, help="buffer size (default 512, quick 256)")
     ap.add_argument("--sweep", action="store_true",
                     help="also streams per thread x prefetch distance at the widest width")
     ap.add_argument("--no-hugepages", action="store_true", help="4 KB pages (no MADV_HUGEPAGE)")

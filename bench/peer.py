@@ -46,7 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, print_header, setup
+from .common import (JsonWriter, dev_prompts, fmt_table, model_parser, parent_parser, positive_int,
+                     print_header, setup)
 from .models import load_engine, model_label
 
 INSTALL_COMMAND = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "llama-cpp-python>=0.3"'
@@ -394,10 +395,10 @@ def main(argv=None) -> None:
                    help="the GGUF the model was converted from (default: found from --model)")
     p.add_argument("--configs", type=_parse_configs, default=None,
                    help=f"comma list of llama.cpp configs from {', '.join(CONFIGS)} (default: {DEFAULT_CONFIGS})")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-new", type=int, default=64)
-    p.add_argument("--lookup-n", type=int, default=10, help="prompt lookup: tokens drafted per step (default 10)")
-    p.add_argument("--lookup-ngram", type=int, default=2, help="prompt lookup: longest n-gram matched (default 2)")
+    p.add_argument("--prompts", type=positive_int, default=8)
+    p.add_argument("--max-new", type=positive_int, default=64)
+    p.add_argument("--lookup-n", type=positive_int, default=10, help="prompt lookup: tokens drafted per step (default 10)")
+    p.add_argument("--lookup-ngram", type=positive_int, default=2, help="prompt lookup: longest n-gram matched (default 2)")
     args = p.parse_args(argv)
     if args.configs is None:
         args.configs = _parse_configs("bf16,gguf,bf16+lookup" if args.quick else DEFAULT_CONFIGS)

@@ -41,7 +41,8 @@ import contextlib
 import statistics
 import time
 
-from .common import JsonWriter, fmt_table, free_port, model_parser, parent_parser, print_header, setup
+from .common import (JsonWriter, fmt_table, free_port, model_parser, parent_parser, positive_int,
+                     print_header, setup)
 from .load import LlamaServer
 from .long_prompts import long_prompts
 from .models import load_engine, model_label
@@ -155,7 +156,7 @@ def main(argv=None) -> None:
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="prompt lengths in tokens (default 512,2048,8192; --quick: 128,512)")
-    p.add_argument("--reps", type=int, default=None, help="runs per length (default 3; --quick: 1)")
+    p.add_argument("--reps", type=positive_int, default=None, help="runs per length (default 3; --quick: 1)")
     p.add_argument("--peer-server", help="llama.cpp's llama-server binary: its prompt time on --peer-gguf "
                    "(instead of llama-cpp-python)")
     p.add_argument("--peer-gguf", help="the GGUF llama-server loads (the model's weights in BF16)")

@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from .common import JsonWriter, fmt_table, model_parser, parent_parser, print_header, setup
+from .common import (JsonWriter, fmt_table, int_list, model_parser, parent_parser, print_header, setup,
+                     str_list)
 from .kernels import LAYERS, MODELS, PER_LAYER, model_shapes, synthetic_weight
 from qspec import _C
 
@@ -73,9 +74,8 @@ def run(args) -> list[dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, parents=[parent_parser(), model_parser(prompts=False)],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    csv = lambda t: (lambda v: [t(x) for x in v.split(",")])  # noqa: E731
-    ap.add_argument("--formats", type=csv(str), default=["mxfp4"], help="comma list of MX formats (default mxfp4)")
-    ap.add_argument("--ms", type=csv(int), default=None, help="comma list of M (default 1,2,3,4,8,16)")
+    ap.add_argument("--formats", type=str_list, default=["mxfp4"], help="comma list of MX formats (default mxfp4)")
+    ap.add_argument("--ms", type=int_list, default=None, help="comma list of M (default 1,2,3,4,8,16)")
     run(ap.parse_args(argv))
 
 

@@ -31,7 +31,8 @@ import subprocess
 import sys
 import time
 
-from .common import JsonWriter, dev_prompts, fmt_table, free_port, model_parser, parent_parser, print_header, setup
+from .common import (JsonWriter, dev_prompts, fmt_table, free_port, model_parser, parent_parser,
+                     positive_int, print_header, setup)
 from .load import LlamaServer, admission, run_clients
 from .long_prompts import long_prompts
 from .models import load_engine, model_label
@@ -261,18 +262,18 @@ def _client_counts(s: str) -> list[int]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="qspec bench serve", parents=[parent_parser(), model_parser()],
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=4, help="prompts for the streaming comparison (default 4)")
-    p.add_argument("--max-new", type=int, default=128, help="new tokens per streamed generation (default 128)")
-    p.add_argument("--reps", type=int, default=3, help="interleaved Engine/server runs per prompt (default 3)")
+    p.add_argument("--prompts", type=positive_int, default=4, help="prompts for the streaming comparison (default 4)")
+    p.add_argument("--max-new", type=positive_int, default=128, help="new tokens per streamed generation (default 128)")
+    p.add_argument("--reps", type=positive_int, default=3, help="interleaved Engine/server runs per prompt (default 3)")
     p.add_argument("--clients", type=_client_counts, default=[1, 2, 4, 8, 16],
                    help="client counts of the load sweep (default 1,2,4,8,16)")
-    p.add_argument("--per-client", type=int, default=2, help="requests each client sends (default 2)")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per load request (default 64)")
-    p.add_argument("--long-prompt", type=int, default=2000,
+    p.add_argument("--per-client", type=positive_int, default=2, help="requests each client sends (default 2)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per load request (default 64)")
+    p.add_argument("--long-prompt", type=positive_int, default=2000,
                    help="tokens of the prompt admitted beside running streams (default 2000; 0: skip)")
     p.add_argument("--peer-server", help="llama.cpp's llama-server binary: the same load against it")
     p.add_argument("--peer-gguf", help="the GGUF llama-server loads (the model's weights in BF16)")
-    p.add_argument("--turns", type=int, default=5, help="turns of the multi-turn chat (default 5)")
+    p.add_argument("--turns", type=positive_int, default=5, help="turns of the multi-turn chat (default 5)")
     args = p.parse_args(argv)
     for name in ("prompts", "max_new", "reps", "per_client", "max_tokens", "turns"):
         if getattr(args, name) < 1:

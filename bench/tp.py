@@ -57,14 +57,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import numpy as np
 
 from qspec.errors import TensorParallelError
 from qspec.parallel.comm import FORWARD, HEADER
 
-from .common import JsonWriter, fmt_table, free_port, model_parser, parent_parser, print_header, setup
+from .common import (JsonWriter, fmt_table, free_port, model_parser, parent_parser, positive_float,
+                     positive_int, print_header, setup)
 from .tp_e2e import add_e2e_args, run_e2e
 
 REDUCE_M, REDUCE_D = (1, 5, 9, 16), (576, 1536, 4096, 8192)
@@ -158,7 +158,6 @@ def _rank_main(rank: int, spec: dict) -> None:
     """One rank of the collectives run (a process of its own: RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT and QSPEC_TP_TRANSPORT set); rank 0 writes the results as JSON to spec["out"]."""
     import torch
-    import torch.distributed as dist
 
     from qspec.parallel.comm import Comm
     from qspec.parallel.topology import apply, place
@@ -476,20 +475,20 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", type=_what, default=_what("collectives,projection"),
                    help=f"sections, comma list of {', '.join(SECTIONS)} (default: collectives,projection)")
-    p.add_argument("--world", type=int, default=2, help="ranks of the collectives section (default 2)")
+    p.add_argument("--world", type=positive_int, default=2, help="ranks of the collectives section (default 2)")
     p.add_argument("--transport", dest="transports", type=_transports, default=["shm", "gloo"],
                    help="transports of the collectives section, comma list of shm, gloo (default: both)")
-    p.add_argument("--reps", type=int, default=200, help="timed repetitions per collective (default 200)")
-    p.add_argument("--intra-latency-us", type=float, default=None,
+    p.add_argument("--reps", type=positive_int, default=200, help="timed repetitions per collective (default 200)")
+    p.add_argument("--intra-latency-us", type=positive_float, default=None,
                    help="projection: a collective between sockets costs this (default: measured by size)")
-    p.add_argument("--net-latency-us", type=float, default=25.0, help="projection: between hosts (default 25)")
-    p.add_argument("--net-gbps", type=float, default=100.0, help="projection: NIC Gb/s per host (default 100)")
-    p.add_argument("--socket-gbs", type=float, default=250.0,
+    p.add_argument("--net-latency-us", type=positive_float, default=25.0, help="projection: between hosts (default 25)")
+    p.add_argument("--net-gbps", type=positive_float, default=100.0, help="projection: NIC Gb/s per host (default 100)")
+    p.add_argument("--socket-gbs", type=positive_float, default=250.0,
                    help="projection: memory GB/s per socket (default 250: 8-channel DDR5-4800 at ~80%%)")
-    p.add_argument("--context", type=int, default=1024, help="projection: KV cache positions (default 1024)")
-    p.add_argument("--k", type=int, default=8, help="projection: draft tokens per step (default 8)")
-    p.add_argument("--tau", type=float, default=6.4, help="projection: tokens per verify step (default 6.4)")
-    p.add_argument("--draft-bits", type=float, default=4.25, help="projection: draft bits per weight (default 4.25)")
+    p.add_argument("--context", type=positive_int, default=1024, help="projection: KV cache positions (default 1024)")
+    p.add_argument("--k", type=positive_int, default=8, help="projection: draft tokens per step (default 8)")
+    p.add_argument("--tau", type=positive_float, default=6.4, help="projection: tokens per verify step (default 6.4)")
+    p.add_argument("--draft-bits", type=positive_float, default=4.25, help="projection: draft bits per weight (default 4.25)")
     add_e2e_args(p)
     args = p.parse_args(argv)
     for name, low in (("world", 2), ("reps", 10), ("k", 1), ("context", 0)):

@@ -17,9 +17,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
-from .common import JsonWriter, dev_prompts, fmt_table
+from .common import JsonWriter, dev_prompts, fmt_table, positive_int
 
 CHILD_FLAG = "--tp-e2e-child"
 
@@ -117,10 +116,10 @@ def run_e2e(args, writer: JsonWriter) -> list[dict]:
 
 def add_e2e_args(p) -> None:
     p.add_argument("--worlds", default="1,2", help="e2e: world sizes, alternated (default 1,2)")
-    p.add_argument("--prompts", type=int, default=6, help="e2e: dev prompts (default 6)")
-    p.add_argument("--max-new", type=int, default=48, help="e2e: new tokens per prompt (default 48)")
+    p.add_argument("--prompts", type=positive_int, default=6, help="e2e: dev prompts (default 6)")
+    p.add_argument("--max-new", type=positive_int, default=48, help="e2e: new tokens per prompt (default 48)")
     p.add_argument("--draft-max", default="auto", help="e2e: K of the speculative runs (default auto)")
-    p.add_argument("--repeat", type=int, default=3, help="e2e: rounds over the world sizes (default 3)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="e2e: rounds over the world sizes (default 3)")
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == CHILD_FLAG:

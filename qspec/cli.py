@@ -23,7 +23,7 @@ BENCHMARKS = ("membw", "kernels", "rows", "attention", "decode", "e2e", "batch",
 DEFAULT_MODEL_ID = "smollm2-135m"  # what -m names the default model (qspec fetch --list)
 
 
-def _int_at_least(low: int):
+def int_at_least(low: int):
     """An argparse type: an integer >= low."""
     def parse(s: str) -> int:
         try:
@@ -36,8 +36,8 @@ def _int_at_least(low: int):
     return parse
 
 
-_positive_int = _int_at_least(1)
-_nonnegative_int = _int_at_least(0)
+_positive_int = int_at_least(1)
+_nonnegative_int = int_at_least(0)
 
 
 def sparse_keys(s: str) -> int:

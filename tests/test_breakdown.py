@@ -104,3 +104,21 @@ def test_bad_ms_is_one_usage_error(flag, bad, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and flag in err and err.count("error:") == 1
 
+
+
+@pytest.mark.parametrize("args", [
+    ["kernels", "--ms", "0"], ["kernels", "--shapes", "3x0"], ["kernels", "--shapes", "3y4"],
+    ["rows", "--ms", "-1"], ["attention", "--contexts", "0"], ["attention", "--draft-sparse", "7"],
+    ["membw", "--threads", "0"], ["e2e", "--prompts", "0"], ["e2e", "--max-new", "-2"],
+    ["decode", "--window", "0"], ["batch", "--batch", "0"], ["prefill", "--reps", "0"],
+    ["serve", "--max-tokens", "0"], ["tp", "--tau", "inf"], ["peer", "--lookup-n", "0"],
+])
+def test_bad_bench_counts_are_one_usage_error(args, capsys):
+    """A count, size or rate of 0 or less: one usage line naming the flag, before any work (it was a
+    kernel error, a numpy error or a run that never ended)."""
+    from qspec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and args[1] in err and err.count("error:") == 1, err

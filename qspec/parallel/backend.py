@@ -19,7 +19,7 @@ import numpy as np
 from .. import _C
 from ..batch import Pass
 from ..kv_cache import KVCache, KVPool
-from ..native import NativeBackend, check_tree
+from ..native import NativeBackend
 from .comm import COPY_ROWS, FORWARD, STOP, Comm
 from .shard import Shard
 
