@@ -75,7 +75,7 @@ def test_text_stream_cuts_at_stop_strings(pieces, stops, want, stopped):
     assert "".join(got) + ts.finish() == full[:cut]
 
 
-def test_openai_client_matches_engine_generate(client, engine):
+def test_openai_client_matches_engine_generate(client, engine, server):
     """Greedy output through the server (both endpoints, JSON and streamed) is Engine.generate's."""
     want = engine.generate(CHAT, max_new_tokens=12)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12)
@@ -102,6 +102,14 @@ def test_openai_client_matches_engine_generate(client, engine):
         model=MODEL, prompt=prompt, temperature=0, max_tokens=10, stream=True))
     assert streamed == want.text
     assert client.models.list().data[0].id == MODEL
+    # OpenAI's batch form holding one prompt (LangChain's), and no model named: the served one
+    r = client.completions.create(model=MODEL, prompt=[prompt], temperature=0, max_tokens=10)
+    assert r.choices[0].text == want.text
+    ids = engine.encode_prompt(prompt, chat=False)
+    r = client.completions.create(model=MODEL, prompt=[ids], temperature=0, max_tokens=10)
+    assert r.choices[0].text == want.text
+    status, _, r = server.request("POST", "/v1/completions", {"prompt": prompt, "temperature": 0, "max_tokens": 10})
+    assert status == 200 and r["model"] == MODEL and r["choices"][0]["text"] == want.text
 
 
 def test_stop_strings_and_sampling(client, engine):
@@ -218,11 +226,12 @@ def test_malformed_requests_get_openai_errors(server):
         ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, None),
         ("POST", "/v1/chat/completions", {**chat, "logprobs": True}, 400, None),
         ("POST", "/v1/chat/completions", {**chat, "frobnicate": 1}, 400, None),
-        ("POST", "/v1/chat/completions", {k: v for k, v in chat.items() if k != "model"}, 400, "model"),
         ("POST", "/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "word " * CTX}, 400, "prompt"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": CTX}, 400, "prompt"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": 7}, 400, "prompt"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "x" * (2 << 20)}, 413, None),
         ("GET", "/v1/completions", None, 405, None),
         ("GET", "/v1/nothing", None, 404, None),

@@ -205,7 +205,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
             raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
 
     async def complete(request: Request, req, chat: bool):
-        if req.model != settings.model_id:
+        if req.model is not None and req.model != settings.model_id:
             raise unknown_model(req.model)
         ids = await asyncio.to_thread(prompt_ids, req, chat)  # a long prompt takes a while to tokenize
         ctx, cap = settings.ctx, req.new_tokens_cap

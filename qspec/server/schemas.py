@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI endpoints (pydantic), and the compatibility choices they encode.
 
-Every parameter of the OpenAI API is accepted by name. Those qspec implements: model,
+Every parameter of the OpenAI API is accepted by name. Those qspec implements: model (optional,
+as in vLLM and llama-server: the one model this server serves when left out),
 messages / prompt, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
 stream_options.include_usage, n = 1. The others are accepted at their neutral value (what
 leaves the output unchanged: penalties 0, logprobs off, no tools ...) and refused with 400 at
@@ -42,7 +43,7 @@ IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping: no effec
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -121,6 +122,20 @@ class CompletionRequest(_Request):
     prompt: Union[str, list[int]]
     # OpenAI's default for /v1/completions; chat completions default to the rest of the context
     max_tokens: int | None = Field(16, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        """OpenAI's batch forms, a list of strings or of token lists, with one prompt in it (as
+        LangChain sends them) are that prompt; more than one is refused, not half-answered."""
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > 1:
+                raise ValueError(f"a list of {len(v)} prompts; this server takes one prompt a request "
+                                 "(send them as separate requests: they are batched)")
+            return v[0]
+        if not isinstance(v, (str, list)):
+            raise ValueError("expected a string or a list of token ids")
+        return v
 
     @field_validator("prompt")
     @classmethod
