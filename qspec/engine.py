@@ -226,6 +226,10 @@ class Engine:
                 raise ValueError("chat=True but this model has no chat template")
             ids = self.tokenizer.encode_chat(prompt) if use_chat else self.tokenizer.encode(prompt)
         else:
+            if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, (Sequence, np.ndarray)) or not all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+                raise TypeError("a prompt is text, a list of token ids or a list of {'role', 'content'} "
+                                f"messages, got {type(prompt).__name__}")
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 import qspec
@@ -96,6 +97,10 @@ def test_generation_arguments(tiny):
         eng.generate("", max_new_tokens=4, chat=False)
     with pytest.raises(ValueError, match="vocabulary"):
         eng.generate([99], max_new_tokens=4)
+    for bad in (None, 3, b"hi", [1.5, 2], [True], {"role": "user"}):
+        with pytest.raises(TypeError, match="a prompt is text, a list of token ids"):
+            eng.generate(bad, max_new_tokens=4)
+    assert eng.generate(np.array([1, 2]), max_new_tokens=2).tokens == eng.generate([1, 2], max_new_tokens=2).tokens
 
 
 def test_load_arguments(tiny):
