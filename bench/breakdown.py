@@ -106,8 +106,8 @@ def controller_share(eng, prompts: list[str], n_new: int, tree: str | None = Non
     """Speculative decoding (default settings, greedy; `tree`: the engine's tree mode unless
     given) of each prompt, token ids as they come (Engine.tokens): the native profile is reset
     once the first token is out, after the prefill, so it covers exactly the decode. Shares of
-    decode time: native forward, Python around the draft/verify forwards of chain and tree
-    steps (backend.forward, the draft loop), the rest of the controller."""
+    decode time: native forward, Python around the draft/verify forwards of chain, tree and
+    lookup-alone steps (backend.forward, the draft loop), the rest of the controller."""
     model = eng.backend.model
     decode = phases = native = 0.0
     steps = tokens = 0
@@ -119,7 +119,8 @@ def controller_share(eng, prompts: list[str], n_new: int, tree: str | None = Non
         for _ in it:
             pass
         decode += s["decode_s"]
-        phases += s["draft_s"] + s["verify_s"] + s.get("tree_draft_s", 0.0) + s.get("tree_verify_s", 0.0)
+        phases += s["draft_s"] + s["verify_s"] + s.get("tree_draft_s", 0.0) + s.get("tree_verify_s", 0.0) \
+            + s.get("lookup_s", 0.0)
         native += model.profile()["total_s"]
         steps += s["steps"]
         tokens += s["new_tokens"] - 1

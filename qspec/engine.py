@@ -193,6 +193,9 @@ class Engine:
             piece = dec.push(t)
             if piece:
                 yield piece
+        tail = dec.finish()
+        if tail:
+            yield tail
 
     def tokens(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,

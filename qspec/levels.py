@@ -180,6 +180,7 @@ class Chain:
         self.lookup = lookup if self.gen is None else None
         self.lookup_rows = self.lookup_accepted = 0  # lookup nodes verified / accepted (chain steps)
         self.lookup_steps = 0  # steps the lookup ran alone
+        self.lookup_s = 0.0    # their target passes (wall time)
         self.tree = None
         if tree is not None:
             from .tree import TreeRunner
@@ -302,7 +303,9 @@ class Chain:
         toks = [last] + g
         t0 = time.perf_counter()
         new = _accept_linear(toks, self.levels[0].score(toks, pos))
-        lk.observe_verify(len(toks), time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        lk.observe_verify(len(toks), dt)
+        self.lookup_s += dt
         self.lookup_steps += 1
         self.lookup_rows += len(g)
         self.lookup_accepted += len(new) - 1
@@ -366,7 +369,8 @@ class Chain:
         if self.lookup is not None:
             rows = self.lookup_rows + (self.tree.stats.lookup_rows if self.tree is not None else 0)
             taken = self.lookup_accepted + (self.tree.stats.lookup_accepted if self.tree is not None else 0)
-            stats.update(lookup_rows=rows, lookup_accepted=taken, lookup_steps=self.lookup_steps)
+            stats.update(lookup_rows=rows, lookup_accepted=taken, lookup_steps=self.lookup_steps,
+                         lookup_s=self.lookup_s)
         for i, st in enumerate(self.stats[1:], start=1):
             stats.update({f"level{i}_drafted": st.drafted, f"level{i}_accepted": st.accepted,
                           f"level{i}_acceptance_rate": st.accepted / st.drafted if st.drafted else 0.0,

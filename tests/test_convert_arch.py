@@ -193,6 +193,31 @@ def assert_same_tokenizer(folder: Path, gguf_file: str, out: Path, strings=STRIN
         assert ours.encode(text, add_special_tokens=False).ids == theirs(text, add_special_tokens=False)["input_ids"]
         for skip in (False, True):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    assert_streams_as_decode(ours, [ours.encode(t).ids for t in strings])
+
+
+class _Decode:
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def assert_streams_as_decode(tok, id_lists, random_lists=20, seed=0):
+    """StreamDecoder's pieces (it decodes a window of the latest tokens, not the whole list) add
+    up to the whole list's decode, on real text and on random ids: special tokens, pieces that
+    start words and, for byte-level BPE, incomplete or invalid UTF-8. Random ids leave out
+    SentencePiece's byte tokens (<0xXX>): an invalid run of them decodes as one U+FFFD a byte,
+    which no streaming can know before the run ends (StreamDecoder's docstring)."""
+    from qspec.tokenizer import StreamDecoder
+
+    rng = np.random.default_rng(seed)
+    pool = np.array([i for t, i in tok.get_vocab().items() if not (t.startswith("<0x") and len(t) == 6)])
+    for ids in [*id_lists, *(rng.choice(pool, int(rng.integers(1, 60))).tolist() for _ in range(random_lists))]:
+        dec = _Decode(tok)
+        stream = StreamDecoder(dec)
+        assert "".join(stream.push(i) for i in ids) + stream.finish() == dec.decode(ids), ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -346,3 +346,13 @@ def test_soak_thousand_requests_rss_stable(server):
     rss = proc.memory_info().rss
     burst(800)
     assert proc.memory_info().rss - rss < 32 << 20
+
+
+def test_stream_decoder_adds_up_to_decode_on_the_default_tokenizer(engine):
+    """The incremental detokenizer on a byte-level BPE (SmolLM2's): pieces + finish() equal
+    decode() over real text with multi-byte characters and over random ids."""
+    from test_convert_arch import STRINGS, assert_streams_as_decode
+
+    tok = engine.tokenizer._tok
+    text = "\n".join(STRINGS) * 3
+    assert_streams_as_decode(tok, [tok.encode(t).ids for t in (*STRINGS, text)], random_lists=50)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import TensorParallelError
+from ..tokenizer import StreamDecoder
 
 log = logging.getLogger("qspec.server")
 
@@ -69,29 +70,25 @@ class TextStream:
     tokenizer.decode(tokens) cut at the first stop string."""
 
     def __init__(self, tokenizer, stops: list[str]):
-        self._tok = tokenizer
+        self._dec = StreamDecoder(tokenizer)
         self._stops = stops
-        self._ids: list[int] = []
-        self._decoded = 0   # characters of decode(ids) taken into _pending or emitted
         self._pending = ""  # text held back: a possible start of a stop string
         self.stopped = False
 
     def push(self, token: int) -> str:
-        self._ids.append(token)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        return self._take(text)
+        piece = self._dec.push(token)
+        return self._take(piece) if piece else ""
 
     def finish(self) -> str:
         """The rest of the text once generation has ended."""
-        out = "" if self.stopped else self._take(self._tok.decode(self._ids))
+        if self.stopped:
+            return ""
+        out = self._take(self._dec.finish())
         rest, self._pending = self._pending, ""
         return out + ("" if self.stopped else rest)
 
-    def _take(self, text: str) -> str:
-        buf = self._pending + text[self._decoded:]
-        self._decoded = len(text)
+    def _take(self, piece: str) -> str:
+        buf = self._pending + piece
         hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
