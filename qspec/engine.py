@@ -555,10 +555,15 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
     """
     from . import _C
     from .parallel.launch import load_tensor_parallel, world_size
+    from .parallel.topology import allowed_cpus
 
     if threads is not None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        cpus = len(allowed_cpus())
+        if threads > cpus:  # allowed, as llama.cpp allows it, but never what anyone wants
+            print(f"qspec: warning: {threads} threads on the {cpus} CPUs this process may run on: every pass "
+                  "waits for its slowest thread, so it runs slower than with one thread a CPU", file=sys.stderr)
         _C.set_num_threads(threads)
         if "torch" in sys.modules:  # else load_weights sets it if it reads the checkpoint with torch
             sys.modules["torch"].set_num_threads(threads)

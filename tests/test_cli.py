@@ -122,3 +122,13 @@ def test_draft_file_of_another_model(default_model_dir, tmp_path):
     assert run("quantize", str(tiny), "-o", str(f)).returncode == 0
     r = run("generate", "-m", str(default_model_dir), "--draft-file", str(f), "hi")
     assert_one_line_error(r, "another checkpoint")
+
+
+def test_more_threads_than_cpus_warns_and_runs(default_model_dir):
+    """-t past the CPUs this process may run on: one warning line, then the answer as usual."""
+    n = len(os.sched_getaffinity(0)) + 1
+    r = run("generate", "-m", str(default_model_dir), "-t", str(n), "--draft", "none", "-n", "2", "hi")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    assert [l for l in r.stderr.splitlines() if "warning" in l] == [
+        f"qspec: warning: {n} threads on the {n - 1} CPUs this process may run on: every pass waits for its "
+        "slowest thread, so it runs slower than with one thread a CPU"]

@@ -29,7 +29,8 @@ def parse_cpulist(s: str) -> list[int]:
     return sorted(set(out))
 
 
-def _allowed() -> set[int]:
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on."""
     try:
         return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -39,7 +40,7 @@ def _allowed() -> set[int]:
 def cpu_nodes(node_root: str = NODE_ROOT) -> list[list[int]]:
     """The CPUs of each NUMA node (nodeN/cpulist) this process may run on, nodes in N order;
     nodes without an allowed CPU are dropped. No readable node -> one node of the affinity set."""
-    allowed = _allowed()
+    allowed = allowed_cpus()
     dirs = []
     for d in Path(node_root).glob("node*"):
         if d.name[4:].isdigit():
