@@ -173,7 +173,10 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("-s", "--seed", type=int, default=None)
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: on when the model has one)")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop before this text (repeat for several, up to 16)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, tokens, finish_reason, stats)")
     _add_engine_flags(g)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (README: Server)")
@@ -231,14 +234,17 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     from .sampling import SamplingParams
 
+    from .engine import check_stops
+
     SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # before loading anything
+    check_stops(a.stop)
     engine, draft_max = _load_engine(a)
     kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
                   seed=a.seed, chat=a.chat, draft_max=draft_max, draft_min=a.draft_min,
-                  draft_p_min=a.draft_p_min, **tree_kwargs(a))
+                  draft_p_min=a.draft_p_min, stop=a.stop, **tree_kwargs(a))
     if a.json:
         r = engine.generate(prompt, **kwargs)
-        print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}))
+        print(json.dumps({"text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason, "stats": r.stats}))
         return 0
     stats: dict[str, float] = {}
     for piece in engine.stream(prompt, stats=stats, **kwargs):

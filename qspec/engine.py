@@ -23,7 +23,7 @@ from .levels import NGRAM, Chain, MXLevel, NgramLevel, check_formats, is_helper,
 from .lookup import LOOKUP_MODES, Lookup
 from .speculative import DRAFT_MAX_LIMIT, CostModel, DraftParams
 from .tree import TreeCost, TreeParams
-from .tokenizer import StreamDecoder, TemplateError, Tokenizer
+from .tokenizer import TemplateError, TextStream, Tokenizer
 
 # Chosen by measurement on the dev prompts (README, "Choosing the draft"): MXFP4 with an MXFP4 LM
 # head on real model sizes (Qwen2.5-Coder 0.5B and 1.5B); below SMALL_MODEL_PARAMS GEMM weights
@@ -81,6 +81,20 @@ class GenerationResult:
     text: str
     tokens: list[int]                       # new token ids (prompt excluded)
     stats: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = "length"           # "stop": an end-of-sequence token or a stop string
+
+
+MAX_STOPS = 16
+
+
+def check_stops(stop: str | Sequence[str] | None) -> list[str]:
+    """`stop` as a list of non-empty strings (a string is one stop; None or [] none)."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}")
+    return list(stops)
 
 
 class Engine:
@@ -116,12 +130,15 @@ class Engine:
                  draft_min: int | None = None, draft_p_min: float | None = None,
                  levels: int | None = None, tree: str | None = None, tree_width: int | None = None,
                  tree_depth: int | None = None, tree_nodes: int | None = None,
-                 lookup: str | None = None) -> GenerationResult:
+                 lookup: str | None = None, stop: str | Sequence[str] | None = None) -> GenerationResult:
         """Generate a continuation of `prompt`: text, token ids used as they are, or a chat as a
         list of {"role": ..., "content": ...} messages (rendered with the model's chat template).
 
         Greedy when temperature == 0. `chat=None` applies the chat template to a text prompt when
-        the model has one. Stops at an EOS token or after `max_new_tokens`.
+        the model has one. Stops at an EOS token, after `max_new_tokens`, or when the text holds
+        one of the `stop` strings (a string or a list of up to 16): the text ends before it, and
+        `tokens` end with the token that completed it (`finish_reason` "stop"; "length" when
+        max_new_tokens ended it).
         With a draft loaded and `speculative=True`, tokens are drafted with the MX weights and
         verified by the BF16 weights: the output is exactly what plain decoding gives (greedy:
         token for token; sampling: the same distribution). `draft_max` is K or "auto" for the
@@ -143,12 +160,25 @@ class Engine:
         (qspec/lookup.py); "off" verifies the draft's tokens alone.
         """
         stats: dict[str, float] = {}
-        tokens = list(self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat,
-                                  speculative, draft_max, draft_min, draft_p_min, levels, stats=stats,
-                                  tree=tree, tree_width=tree_width, tree_depth=tree_depth, tree_nodes=tree_nodes,
-                                  lookup=lookup))
+        stops = check_stops(stop)
+        stream = TextStream(self.tokenizer, stops)  # watches for a stop string as tokens come
+        tokens = []
+        gen = self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, speculative, draft_max,
+                          draft_min, draft_p_min, levels, stats=stats, tree=tree, tree_width=tree_width,
+                          tree_depth=tree_depth, tree_nodes=tree_nodes, lookup=lookup)
+        try:
+            for t in gen:
+                tokens.append(t)
+                stream.push(t)
+                if stream.stopped:
+                    break
+        finally:
+            gen.close()  # fills stats; the cache keeps what was emitted
         text = self.tokenizer.decode(tokens)
-        return GenerationResult(text=text, tokens=tokens, stats=stats)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+        done = cut is not None or bool(tokens) and tokens[-1] in self.eos_ids
+        return GenerationResult(text=text if cut is None else text[:cut], tokens=tokens, stats=stats,
+                                finish_reason="stop" if done else "length")
 
     def batching(self, max_seqs: int, kv_tokens: int | None = None) -> None:
         """Run up to `max_seqs` generations together (an engine with a helper level or tensor
@@ -185,15 +215,23 @@ class Engine:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                speculative: bool = True, draft_max: int | str | Sequence | None = None,
                draft_min: int | None = None, draft_p_min: float | None = None, levels: int | None = None,
-               stats: dict[str, float] | None = None, **tree_caps) -> Iterator[str]:
-        """Like `generate`, yielding text pieces as tokens are produced; fills `stats` at the end."""
-        dec = StreamDecoder(self.tokenizer)
-        for t in self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, speculative,
-                             draft_max, draft_min, draft_p_min, levels, stats=stats, **tree_caps):
-            piece = dec.push(t)
-            if piece:
-                yield piece
-        tail = dec.finish()
+               stats: dict[str, float] | None = None, stop: str | Sequence[str] | None = None,
+               **tree_caps) -> Iterator[str]:
+        """Like `generate`, yielding text pieces as tokens are produced; fills `stats` at the end.
+        A tail that could begin a `stop` string is held back until the next tokens decide it."""
+        stream = TextStream(self.tokenizer, check_stops(stop))
+        gen = self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, speculative,
+                          draft_max, draft_min, draft_p_min, levels, stats=stats, **tree_caps)
+        try:
+            for t in gen:
+                piece = stream.push(t)
+                if piece:
+                    yield piece
+                if stream.stopped:
+                    break
+        finally:
+            gen.close()
+        tail = stream.finish()
         if tail:
             yield tail
 

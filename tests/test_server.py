@@ -61,7 +61,7 @@ class PieceTokenizer:
     (["one ", "\ufffd", "two"], [], ["one ", "", "\ufffdtwo"], False),
 ])
 def test_text_stream_cuts_at_stop_strings(pieces, stops, want, stopped):
-    from qspec.server.scheduler import TextStream
+    from qspec.tokenizer import TextStream
 
     ts = TextStream(PieceTokenizer(pieces), stops)
     got = []
@@ -356,3 +356,21 @@ def test_stream_decoder_adds_up_to_decode_on_the_default_tokenizer(engine):
     tok = engine.tokenizer._tok
     text = "\n".join(STRINGS) * 3
     assert_streams_as_decode(tok, [tok.encode(t).ids for t in (*STRINGS, text)], random_lists=50)
+
+
+def test_engine_stop_strings_cut_text_and_generation(engine):
+    """Engine.generate / stream(stop=...): the text ends before the earliest stop string, the
+    tokens are the plain generation's up to the one that completed it, finish_reason says why."""
+    prompt = "Count from 1 to 20, separated by commas."
+    full = engine.generate(prompt, max_new_tokens=48)
+    assert full.finish_reason in ("length", "stop")
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = engine.generate(prompt, max_new_tokens=48, stop=["never there", stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+    assert cut.tokens == full.tokens[:len(cut.tokens)] and len(cut.tokens) < len(full.tokens)
+    assert stop in engine.tokenizer.decode(cut.tokens) and stop not in engine.tokenizer.decode(cut.tokens[:-1])
+    assert "".join(engine.stream(prompt, max_new_tokens=48, stop=stop)) == cut.text
+    assert engine.generate(prompt, max_new_tokens=3).finish_reason == "length"
+    for bad in ("", [""], 5, ["a"] * 17, [b"x"]):
+        with pytest.raises(ValueError, match="stop"):
+            engine.generate(prompt, max_new_tokens=2, stop=bad)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import TensorParallelError
-from ..tokenizer import StreamDecoder
+from ..tokenizer import TextStream
 
 log = logging.getLogger("qspec.server")
 
@@ -60,44 +60,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-
-class TextStream:
-    """Token ids -> text deltas: whole characters only, cut before the first stop string.
-
-    While streaming, a tail of the text that could be the start of a stop string is held back
-    until the next tokens show whether it is one. The concatenated deltas equal
-    tokenizer.decode(tokens) cut at the first stop string."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self._dec = StreamDecoder(tokenizer)
-        self._stops = stops
-        self._pending = ""  # text held back: a possible start of a stop string
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        piece = self._dec.push(token)
-        return self._take(piece) if piece else ""
-
-    def finish(self) -> str:
-        """The rest of the text once generation has ended."""
-        if self.stopped:
-            return ""
-        out = self._take(self._dec.finish())
-        rest, self._pending = self._pending, ""
-        return out + ("" if self.stopped else rest)
-
-    def _take(self, piece: str) -> str:
-        buf = self._pending + piece
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            self._pending = ""
-            return buf[:min(hits)]
-        hold = max((k for s in self._stops for k in range(1, min(len(s), len(buf) + 1))
-                    if buf.endswith(s[:k])), default=0)
-        self._pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
 
 
 class Scheduler:
