@@ -82,9 +82,43 @@ class GenerationResult:
     tokens: list[int]                       # new token ids (prompt excluded)
     stats: dict[str, float] = field(default_factory=dict)
     finish_reason: str = "length"           # "stop": an end-of-sequence token or a stop string
+    logprobs: list[TokenLogprob] | None = None  # per new token, with generate(logprobs=k)
 
 
 MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+SCORE_ROWS = 64  # logits rows a scoring pass returns at once: [64, vocab] float32 (39 MB at 152k)
+
+
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of a token at its position, and the `top` most likely tokens
+    there (id, log-probability), most likely first."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def check_top_logprobs(top) -> int:
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {top!r}")
+    return top
+
+
+def token_logprobs(rows: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """log-softmax of each logits row (in float64) at its token, and its `top` best tokens."""
+    x = rows.astype(np.float64)
+    mx = x.max(axis=1, keepdims=True)
+    lse = mx + np.log(np.exp(x - mx).sum(axis=1, keepdims=True))
+    out = []
+    for r, t in enumerate(tokens):
+        best = []
+        if top:
+            idx = np.argpartition(-x[r], top - 1)[:top]
+            idx = idx[np.lexsort((idx, -x[r, idx]))]  # by logit, ties by id
+            best = [(int(i), float(x[r, i] - lse[r, 0])) for i in idx]
+        out.append(TokenLogprob(int(t), float(x[r, t] - lse[r, 0]), best))
+    return out
 
 
 def check_stops(stop: str | Sequence[str] | None) -> list[str]:
@@ -130,7 +164,8 @@ class Engine:
                  draft_min: int | None = None, draft_p_min: float | None = None,
                  levels: int | None = None, tree: str | None = None, tree_width: int | None = None,
                  tree_depth: int | None = None, tree_nodes: int | None = None,
-                 lookup: str | None = None, stop: str | Sequence[str] | None = None) -> GenerationResult:
+                 lookup: str | None = None, stop: str | Sequence[str] | None = None,
+                 logprobs: int | None = None) -> GenerationResult:
         """Generate a continuation of `prompt`: text, token ids used as they are, or a chat as a
         list of {"role": ..., "content": ...} messages (rendered with the model's chat template).
 
@@ -138,7 +173,8 @@ class Engine:
         the model has one. Stops at an EOS token, after `max_new_tokens`, or when the text holds
         one of the `stop` strings (a string or a list of up to 16): the text ends before it, and
         `tokens` end with the token that completed it (`finish_reason` "stop"; "length" when
-        max_new_tokens ended it).
+        max_new_tokens ended it). `logprobs` = k in 0..20: `logprobs` of the result holds the
+        target's log-probability of every new token and its k most likely alternatives (`score`).
         With a draft loaded and `speculative=True`, tokens are drafted with the MX weights and
         verified by the BF16 weights: the output is exactly what plain decoding gives (greedy:
         token for token; sampling: the same distribution). `draft_max` is K or "auto" for the
@@ -161,6 +197,8 @@ class Engine:
         """
         stats: dict[str, float] = {}
         stops = check_stops(stop)
+        if logprobs is not None:
+            check_top_logprobs(logprobs)
         stream = TextStream(self.tokenizer, stops)  # watches for a stop string as tokens come
         tokens = []
         gen = self.tokens(prompt, max_new_tokens, temperature, top_k, top_p, seed, chat, speculative, draft_max,
@@ -177,8 +215,45 @@ class Engine:
         text = self.tokenizer.decode(tokens)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
         done = cut is not None or bool(tokens) and tokens[-1] in self.eos_ids
+        scored = None if logprobs is None else self.score(self.encode_prompt(prompt, chat), tokens, logprobs)
         return GenerationResult(text=text if cut is None else text[:cut], tokens=tokens, stats=stats,
-                                finish_reason="stop" if done else "length")
+                                finish_reason="stop" if done else "length", logprobs=scored)
+
+    def score(self, prompt: Prompt, continuation: Sequence[int], top_logprobs: int = 0,
+              chat: bool | None = None) -> list[TokenLogprob]:
+        """The target's log-probability of each token of `continuation` (token ids) after `prompt`
+        (as `generate` takes it), with its `top_logprobs` (0..20) most likely alternatives: the
+        log-softmax of the logits a plain BF16 decode computes at that position, bit for bit
+        (one prefill-style pass over the tokens; batch invariance makes its rows the decode
+        rows), whatever draft produced the tokens. Raw logits: no temperature or top-k/p."""
+        check_top_logprobs(top_logprobs)
+        ids = self.encode_prompt(prompt, chat)
+        cont = self.encode_prompt(list(continuation), chat=False) if len(continuation) else []
+        if len(ids) + len(cont) > self.ctx_size:
+            raise PromptTooLongError(f"prompt ({len(ids)} tokens) + continuation ({len(cont)}) exceeds the "
+                                     f"context of {self.ctx_size} tokens")
+        seqids = ids + cont
+        while True:
+            seq = self.batcher.open(len(seqids))
+            be = SeqBackend(self.batcher, seq)
+            try:
+                kv, out = be.kv, []
+                pos = kv.adopt(ids, getattr(self.backend, "kernel_path", None))
+                while pos < len(ids) - 1:  # the prompt's rows; its last one gives the first logits
+                    end = min(len(ids) - 1, pos + self.batcher.prefill_chunk(seq))
+                    be.forward(seqids[pos:end], pos, prefill=True)
+                    kv.length = pos = end
+                while pos < len(seqids) - 1:  # row r's logits score token r + 1
+                    end = min(len(seqids) - 1, pos + SCORE_ROWS)
+                    rows = be.forward(seqids[pos:end], pos, all_logits=True, prefill=True)
+                    out += token_logprobs(rows, seqids[pos + 1:end + 1], top_logprobs)
+                    kv.length = pos = end
+                return out
+            except Preempted:
+                if not self.batcher.others(seq):
+                    raise ContextMemoryError(f"{len(seqids)} tokens do not fit in the KV cache's budget") from None
+            finally:
+                self.batcher.close(seq)
 
     def batching(self, max_seqs: int, kv_tokens: int | None = None) -> None:
         """Run up to `max_seqs` generations together (an engine with a helper level or tensor

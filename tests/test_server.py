@@ -224,7 +224,10 @@ def test_malformed_requests_get_openai_errors(server):
         ("POST", "/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
         ("POST", "/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
         ("POST", "/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, None),
-        ("POST", "/v1/chat/completions", {**chat, "logprobs": True}, 400, None),
+        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "stream": True}, 400, None),
+        ("POST", "/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, None),
+        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "logprobs": 6}, 400, "logprobs"),
         ("POST", "/v1/chat/completions", {**chat, "frobnicate": 1}, 400, None),
         ("POST", "/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "word " * CTX}, 400, "prompt"),
@@ -356,6 +359,36 @@ def test_stream_decoder_adds_up_to_decode_on_the_default_tokenizer(engine):
     tok = engine.tokenizer._tok
     text = "\n".join(STRINGS) * 3
     assert_streams_as_decode(tok, [tok.encode(t).ids for t in (*STRINGS, text)], random_lists=50)
+
+
+def test_logprobs_are_the_plain_decode_rows(client, engine):
+    """logprobs (chat: logprobs + top_logprobs; completions: logprobs = k) are Engine.score's of the
+    answer's tokens: the log-softmax of the rows plain decoding computes, bit for bit whatever the
+    draft, the chunking of the scoring pass or the rows beside it."""
+    prompt = "The three primary colors are"
+    r = engine.generate(prompt, max_new_tokens=12, chat=False, logprobs=3)
+    assert len(r.logprobs) == len(r.tokens) and [lp.token for lp in r.logprobs] == r.tokens
+    assert all(lp.token == lp.top[0][0] and lp.logprob <= 0 for lp in r.logprobs)  # greedy: the top token
+    assert all(a[1] >= b[1] for lp in r.logprobs for a, b in zip(lp.top, lp.top[1:]))
+    ids = engine.encode_prompt(prompt, chat=False)
+    one_by_one = [engine.score(ids + r.tokens[:i], [t], 3)[0] for i, t in enumerate(r.tokens)]
+    assert one_by_one == r.logprobs  # M = 1 rows == the rows of one pass over all the tokens
+    plain = engine.generate(prompt, max_new_tokens=12, chat=False, logprobs=3, speculative=False)
+    assert plain.logprobs == r.logprobs and engine.score(prompt, [], 2, chat=False) == []
+
+    c = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, logprobs=3)
+    lp = c.choices[0].logprobs
+    assert lp.token_logprobs == [x.logprob for x in r.logprobs] and "".join(lp.tokens) == c.choices[0].text
+    assert lp.text_offset[0] == 0 and all(len(t) == 3 for t in lp.top_logprobs)
+    ch = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=8, logprobs=True,
+                                        top_logprobs=2)
+    want = engine.generate(CHAT, max_new_tokens=8, logprobs=2)
+    got = ch.choices[0].logprobs.content
+    assert [x.logprob for x in got] == [x.logprob for x in want.logprobs if x.token not in engine.eos_ids]
+    assert all(len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob == x.logprob for x in got)
+    assert bytes(b for x in got for b in x.bytes).decode() == ch.choices[0].message.content
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.generate(prompt, max_new_tokens=2, logprobs=21)
 
 
 def test_engine_stop_strings_cut_text_and_generation(engine):

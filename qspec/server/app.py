@@ -216,7 +216,7 @@ def create_app(engine, settings: Settings) -> FastAPI:
         job = Job(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], ids=ids,
                   max_new=cap if cap is not None else ctx - len(ids),
                   sampling=dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed),
-                  stops=req.stop, loop=asyncio.get_running_loop())
+                  stops=req.stop, loop=asyncio.get_running_loop(), logprobs=req.top_wanted)
         try:
             scheduler.submit(job)
         except QueueFull as e:
@@ -262,6 +262,21 @@ class Reply:
             return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
         return self._choice(text, None)
 
+    def logprobs(self, lps: list[dict]) -> dict:
+        """Scheduler._logprobs in OpenAI's shape: chat's `content` list (token, logprob, bytes,
+        top_logprobs), or the completions' parallel lists with text offsets."""
+        if self.chat:
+            def entry(t: str, v: float) -> dict:
+                return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+            return {"content": [{**entry(d["token"], d["logprob"]), "top_logprobs": [entry(t, v) for t, v in d["top"]]}
+                             for d in lps], "refusal": None}
+        offsets, at = [], 0
+        for d in lps:
+            offsets.append(at)
+            at += len(d["token"])
+        return {"tokens": [d["token"] for d in lps], "token_logprobs": [d["logprob"] for d in lps],
+                "top_logprobs": [dict(d["top"]) for d in lps], "text_offset": offsets}
+
     @staticmethod
     def usage(done: dict) -> dict:
         return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
@@ -288,8 +303,11 @@ class Reply:
                 if value is None:  # cancelled before it ran: nobody is waiting for this answer
                     raise ApiError(499, "the request was cancelled")
                 obj = "chat.completion" if self.chat else "text_completion"
-                return {**self._base(obj), "choices": [self._choice("".join(text), value["finish_reason"])],
-                        "usage": self.usage(value), "qspec": self.extension(value)}
+                choice = self._choice("".join(text), value["finish_reason"])
+                if "logprobs" in value:
+                    choice["logprobs"] = self.logprobs(value["logprobs"])
+                return {**self._base(obj), "choices": [choice], "usage": self.usage(value),
+                        "qspec": self.extension(value)}
 
     async def events(self, include_usage: bool, watcher: asyncio.Task):
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -48,6 +48,7 @@ class Job:
     sampling: dict                  # temperature, top_p, seed (Engine.tokens keywords)
     stops: list[str]
     loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None     # top alternatives per token when the reply carries logprobs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("delta", str) ... ("done" | "error", ...)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -162,12 +163,13 @@ class Scheduler:
         speculative = self.engine.draft is not None
         started = time.perf_counter()
         first_token_s = None
-        n, finish = 0, "length"
+        n, finish, emitted = 0, "length", []
         tokens = self.engine.tokens(job.ids, max_new_tokens=job.max_new, stats=stats, speculative=speculative,
                                     **job.sampling, **self.draft_kwargs)
         try:
             for tok in tokens:
                 n += 1
+                emitted.append(tok)
                 if first_token_s is None:
                     first_token_s = time.perf_counter() - job.queued_at
                 if job.cancelled.is_set():
@@ -184,5 +186,19 @@ class Scheduler:
         rest = text.finish()
         if rest and finish != "cancelled":
             job.emit("delta", rest)
-        return {"finish_reason": finish, "prompt_tokens": len(job.ids), "completion_tokens": n,
+        done = {"finish_reason": finish, "prompt_tokens": len(job.ids), "completion_tokens": n,
                 "stats": stats, "queue_s": started - job.queued_at, "first_token_s": first_token_s or 0.0}
+        if job.logprobs is not None and finish != "cancelled":
+            done["logprobs"] = self._logprobs(job.ids, emitted, job.logprobs)
+        return done
+
+    def _logprobs(self, ids: list[int], emitted: list[int], top: int) -> list[dict]:
+        """Engine.score of the emitted tokens, with each token's text (its own decode) for the
+        reply; an end-of-sequence token, which the text leaves out, is left out here too."""
+        tok, eos = self.engine.tokenizer, self.engine.eos_ids
+
+        def piece(t: int) -> str:
+            return tok.decode([t], skip_special_tokens=False)
+
+        return [{"token": piece(lp.token), "logprob": lp.logprob, "top": [(piece(t), v) for t, v in lp.top]}
+                for lp in self.engine.score(ids, emitted, top) if lp.token not in eos]

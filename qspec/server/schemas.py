@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI endpoints (pydantic), and the compatibility choices they encode.
 
 Every parameter of the OpenAI API is accepted by name. Those qspec implements: model (optional,
-as in vLLM and llama-server: the one model this server serves when left out),
+as in vLLM and llama-server: the one model this server serves when left out), logprobs and
+top_logprobs (not streamed),
 messages / prompt, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
 stream_options.include_usage, n = 1. The others are accepted at their neutral value (what
 leaves the output unchanged: penalties 0, logprobs off, no tools ...) and refused with 400 at
@@ -20,8 +21,6 @@ NEUTRAL = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -87,6 +86,13 @@ class _Request(BaseModel):
                 raise ValueError(f"Unrecognized request argument supplied: {name}")
             if value not in NEUTRAL[name]:
                 raise ValueError(f"'{name}' is not supported by this server; leave it out")
+        if self.top_wanted is not None and self.stream:
+            raise ValueError("logprobs are not streamed by this server: send them with stream false")
+
+    @property
+    def top_wanted(self) -> int | None:
+        """Alternatives per token when the reply carries logprobs, else None."""
+        return None
 
     @property
     def new_tokens_cap(self) -> int | None:
@@ -116,12 +122,25 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def top_wanted(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[int]]
     # OpenAI's default for /v1/completions; chat completions default to the rest of the context
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy form: the alternatives wanted
+
+    @property
+    def top_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
