@@ -177,6 +177,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="stop before this text (repeat for several, up to 16)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, finish_reason, stats)")
+    g.add_argument("--logprobs", type=_nonnegative_int, default=None, metavar="K",
+                   help="with --json: each new token's log-probability and its K best alternatives")
     _add_engine_flags(g)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (README: Server)")
@@ -234,17 +236,24 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     from .sampling import SamplingParams
 
-    from .engine import check_stops
+    from .engine import check_stops, check_top_logprobs
 
     SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # before loading anything
     check_stops(a.stop)
+    if a.logprobs is not None:
+        if not a.json:
+            raise QspecError("--logprobs needs --json (the log-probabilities are printed in the JSON object)")
+        check_top_logprobs(a.logprobs)
     engine, draft_max = _load_engine(a)
     kwargs = dict(max_new_tokens=a.max_new_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
                   seed=a.seed, chat=a.chat, draft_max=draft_max, draft_min=a.draft_min,
                   draft_p_min=a.draft_p_min, stop=a.stop, **tree_kwargs(a))
     if a.json:
-        r = engine.generate(prompt, **kwargs)
-        print(json.dumps({"text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason, "stats": r.stats}))
+        r = engine.generate(prompt, logprobs=a.logprobs, **kwargs)
+        out = {"text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason, "stats": r.stats}
+        if r.logprobs is not None:
+            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in r.logprobs]
+        print(json.dumps(out))
         return 0
     stats: dict[str, float] = {}
     for piece in engine.stream(prompt, stats=stats, **kwargs):

@@ -63,6 +63,12 @@ def test_generate_json_stdin_plain(default_model_dir):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["tokens"]) <= 8 and out["text"] and out["stats"]["new_tokens"] == len(out["tokens"])
+    assert out["finish_reason"] in ("stop", "length") and "logprobs" not in out
+    r = run("generate", "--json", "-n", "8", "--no-chat", "--stop", "\n", "--logprobs", "2",
+            stdin="The capital of France is")
+    out = json.loads(r.stdout)
+    assert [d["token"] for d in out["logprobs"]] == out["tokens"] and "\n" not in out["text"]
+    assert all(len(d["top"]) == 2 and d["logprob"] <= 0 for d in out["logprobs"])
 
 
 def test_quantize_then_generate_from_draft_file(default_model_dir, tmp_path):
@@ -87,6 +93,9 @@ def test_quantize_then_generate_from_draft_file(default_model_dir, tmp_path):
     (["generate", "--top-p", "0", "hi"], ["top_p"]),
     (["generate", "--top-k", "-2", "hi"], ["top_k"]),
     (["generate", "--bogus-flag", "hi"], ["--bogus-flag"]),
+    (["generate", "--logprobs", "2", "hi"], ["--logprobs", "--json"]),
+    (["generate", "--json", "--logprobs", "21", "hi"], ["logprobs", "0..20"]),
+    (["generate", "--stop", "", "hi"], ["stop"]),
     (["generate", "--draft-file", "/nonexistent.safetensors", "hi"], ["/nonexistent.safetensors"]),
     (["generate", "--draft-window", "-1", "hi"], ["--draft-window"]),
     (["generate", "--draft-window", "64", "--draft-kv", "bf16", "hi"], ["draft window", "draft KV copy"]),
