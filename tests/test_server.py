@@ -228,6 +228,7 @@ def test_malformed_requests_get_openai_errors(server):
         ("POST", "/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, None),
         ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "logprobs": 6}, 400, "logprobs"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, None),
         ("POST", "/v1/chat/completions", {**chat, "frobnicate": 1}, 400, None),
         ("POST", "/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "word " * CTX}, 400, "prompt"),
@@ -379,6 +380,7 @@ def test_logprobs_are_the_plain_decode_rows(client, engine):
     c = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, logprobs=3)
     lp = c.choices[0].logprobs
     assert lp.token_logprobs == [x.logprob for x in r.logprobs] and "".join(lp.tokens) == c.choices[0].text
+    lp_gen = lp.token_logprobs
     assert lp.text_offset[0] == 0 and all(len(t) == 3 for t in lp.top_logprobs)
     ch = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=8, logprobs=True,
                                         top_logprobs=2)
@@ -389,6 +391,16 @@ def test_logprobs_are_the_plain_decode_rows(client, engine):
     assert bytes(b for x in got for b in x.bytes).decode() == ch.choices[0].message.content
     with pytest.raises(ValueError, match="logprobs"):
         engine.generate(prompt, max_new_tokens=2, logprobs=21)
+
+    # echo (an eval harness's loglikelihood): the prompt's text and token logprobs before the answer's
+    e = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=0, echo=True, logprobs=1)
+    lp, want = e.choices[0].logprobs, engine.score(ids[:1], ids[1:], 1)
+    assert e.choices[0].text == prompt and lp.token_logprobs == [None] + [x.logprob for x in want]
+    assert lp.top_logprobs[0] is None and "".join(lp.tokens) == prompt
+    assert [prompt[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    e = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, echo=True, logprobs=0)
+    assert e.choices[0].text == prompt + c.choices[0].text
+    assert e.choices[0].logprobs.token_logprobs == [None] + [x.logprob for x in want] + lp_gen
 
 
 def test_engine_stop_strings_cut_text_and_generation(engine):

@@ -216,7 +216,8 @@ def create_app(engine, settings: Settings) -> FastAPI:
         job = Job(id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], ids=ids,
                   max_new=cap if cap is not None else ctx - len(ids),
                   sampling=dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed),
-                  stops=req.stop, loop=asyncio.get_running_loop(), logprobs=req.top_wanted)
+                  stops=req.stop, loop=asyncio.get_running_loop(), logprobs=req.top_wanted,
+                  echo=engine.tokenizer.decode(ids) if not chat and req.echo else None)
         try:
             scheduler.submit(job)
         except QueueFull as e:
@@ -273,9 +274,9 @@ class Reply:
         offsets, at = [], 0
         for d in lps:
             offsets.append(at)
-            at += len(d["token"])
+            at += d["chars"]
         return {"tokens": [d["token"] for d in lps], "token_logprobs": [d["logprob"] for d in lps],
-                "top_logprobs": [dict(d["top"]) for d in lps], "text_offset": offsets}
+                "top_logprobs": [None if d["top"] is None else dict(d["top"]) for d in lps], "text_offset": offsets}
 
     @staticmethod
     def usage(done: dict) -> dict:

@@ -49,6 +49,7 @@ class Job:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None     # top alternatives per token when the reply carries logprobs
+    echo: str | None = None         # the prompt's text, sent before the answer (completions' echo)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("delta", str) ... ("done" | "error", ...)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -164,6 +165,14 @@ class Scheduler:
         started = time.perf_counter()
         first_token_s = None
         n, finish, emitted = 0, "length", []
+        if job.echo is not None:
+            job.emit("delta", job.echo)
+        if job.max_new == 0:  # echo alone: the prompt's logprobs, no completion
+            done = {"finish_reason": finish, "prompt_tokens": len(job.ids), "completion_tokens": 0, "stats": stats,
+                    "queue_s": started - job.queued_at, "first_token_s": 0.0}
+            if job.logprobs is not None:
+                done["logprobs"] = self._logprobs(job.ids, [], job.logprobs, echo=True)
+            return done
         tokens = self.engine.tokens(job.ids, max_new_tokens=job.max_new, stats=stats, speculative=speculative,
                                     **job.sampling, **self.draft_kwargs)
         try:
@@ -189,16 +198,22 @@ class Scheduler:
         done = {"finish_reason": finish, "prompt_tokens": len(job.ids), "completion_tokens": n,
                 "stats": stats, "queue_s": started - job.queued_at, "first_token_s": first_token_s or 0.0}
         if job.logprobs is not None and finish != "cancelled":
-            done["logprobs"] = self._logprobs(job.ids, emitted, job.logprobs)
+            done["logprobs"] = self._logprobs(job.ids, emitted, job.logprobs, echo=job.echo is not None)
         return done
 
-    def _logprobs(self, ids: list[int], emitted: list[int], top: int) -> list[dict]:
-        """Engine.score of the emitted tokens, with each token's text (its own decode) for the
-        reply; an end-of-sequence token, which the text leaves out, is left out here too."""
+    def _logprobs(self, ids: list[int], emitted: list[int], top: int, echo: bool) -> list[dict]:
+        """Engine.score of the emitted tokens (with `echo`, of the prompt's from its second token on,
+        the first one having none), with each token's text (its own decode) for the reply; an
+        end-of-sequence token, which the text leaves out, is left out here too."""
         tok, eos = self.engine.tokenizer, self.engine.eos_ids
 
         def piece(t: int) -> str:
             return tok.decode([t], skip_special_tokens=False)
 
-        return [{"token": piece(lp.token), "logprob": lp.logprob, "top": [(piece(t), v) for t, v in lp.top]}
-                for lp in self.engine.score(ids, emitted, top) if lp.token not in eos]
+        def entry(t: int, logprob, top) -> dict:  # chars: its length in the reply's text (special: 0)
+            return {"token": piece(t), "chars": len(tok.decode([t])), "logprob": logprob, "top": top}
+
+        scored = self.engine.score(ids[:1], ids[1:] + emitted, top) if echo else self.engine.score(ids, emitted, top)
+        first = [entry(ids[0], None, None)] if echo else []
+        return first + [entry(lp.token, lp.logprob, [(piece(t), v) for t, v in lp.top])
+                        for i, lp in enumerate(scored) if lp.token not in eos or echo and i < len(ids) - 1]

@@ -2,7 +2,8 @@
 
 Every parameter of the OpenAI API is accepted by name. Those qspec implements: model (optional,
 as in vLLM and llama-server: the one model this server serves when left out), logprobs and
-top_logprobs (not streamed),
+top_logprobs (not streamed), echo (completions: the prompt's text and token
+logprobs before the answer's; max_tokens 0 with it scores the prompt alone),
 messages / prompt, max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
 stream_options.include_usage, n = 1. The others are accepted at their neutral value (what
 leaves the output unchanged: penalties 0, logprobs off, no tools ...) and refused with 400 at
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Unimplemented OpenAI parameters and the values that ask for nothing we lack.
 NEUTRAL = {
@@ -22,7 +23,6 @@ NEUTRAL = {
     "presence_penalty": (0, 0.0, None),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -135,12 +135,19 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: Union[str, list[int]]
     # OpenAI's default for /v1/completions; chat completions default to the rest of the context
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy form: the alternatives wanted
+    echo: bool | None = False  # the prompt before the answer (its token logprobs too)
 
     @property
     def top_wanted(self) -> int | None:
         return self.logprobs
+
+    @model_validator(mode="after")
+    def _zero_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 (no completion) needs echo: true")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
