@@ -25,7 +25,7 @@ def load_engine(args, draft: DraftSpec | str | None, levels: tuple[str, ...] = (
 def default_draft_name(args) -> str:
     """"FORMAT:LM_HEAD" of the draft qspec.load(draft="auto") picks for --model."""
     from qspec.config import ModelConfig
-    from qspec.engine import default_draft
+    from qspec.loading import default_draft
     from qspec.fetch import resolve_model
 
     try:

@@ -6,7 +6,9 @@ except ImportError as e:  # the source tree shadows a regular (non-editable) ins
     raise ImportError(f"qspec's compiled module _C is not next to {__file__}: this is the source tree "
                       "without a build. Run from another directory, or install with "
                       "'pip install --no-build-isolation -e .'") from e
-from .engine import Engine, GenerationResult, TokenLogprob, load
+from .engine import Engine
+from .loading import load
+from .result import GenerationResult, TokenLogprob
 from .errors import ContextMemoryError, ContextSizeError, DraftFileError, FetchError, ModelLoadError, PromptTooLongError, QspecError, TensorParallelError
 
 __all__ = ["load", "Engine", "GenerationResult", "TokenLogprob", "cpu_info", "QspecError", "ModelLoadError", "TensorParallelError",

@@ -140,7 +140,7 @@ def _load_engine(a: argparse.Namespace):
     """The Engine of _add_engine_flags' flags and the draft_max to generate with (one K, or one
     per level); the draft flags are checked before loading."""
     from .engine import DEFAULT_DRAFT_PARAMS as d
-    from .engine import load
+    from .loading import load
     from .speculative import DraftParams
 
     DraftParams(d.draft_max if a.draft_max is None else a.draft_max,
@@ -236,7 +236,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     from .sampling import SamplingParams
 
-    from .engine import check_stops, check_top_logprobs
+    from .result import check_stops, check_top_logprobs
 
     SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)  # before loading anything
     check_stops(a.stop)
@@ -418,7 +418,7 @@ def _cmd_cache(a: argparse.Namespace) -> int:
 def _cmd_quantize(a: argparse.Namespace) -> int:
     from .config import ModelConfig
     from .draft import save_draft_file
-    from .engine import resolve_draft_spec
+    from .loading import resolve_draft_spec
     from .fetch import resolve_model
     from .loader import load_weights
     from .native import cast_draft

@@ -163,7 +163,7 @@ def test_tokenizer_hand_checked(default_model_dir):
 def test_generation_stops_at_every_end_marker(default_model_dir):
     """The config names <|im_end|> only; <|endoftext|> ends a document too (as llama.cpp stops)."""
     from qspec.config import ModelConfig
-    from qspec.engine import _eos_ids
+    from qspec.loading import _eos_ids
     from qspec.tokenizer import Tokenizer
 
     ours = Tokenizer(default_model_dir)

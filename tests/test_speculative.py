@@ -309,7 +309,8 @@ def test_auto_k_remembers_costs_across_generations(default_model_dir):
 def test_default_draft_follows_model_size(default_model_dir):
     """draft="auto": MXFP6-E2M3 below SMALL_MODEL_PARAMS GEMM weights, MXFP4 (own LM head) above
     (measured: README, "Choosing the draft")."""
-    from qspec.engine import DEFAULT_DRAFT, SMALL_MODEL_DRAFT, SMALL_MODEL_PARAMS, default_draft
+    from qspec.engine import DEFAULT_DRAFT, SMALL_MODEL_DRAFT, SMALL_MODEL_PARAMS
+    from qspec.loading import default_draft
     from qspec.synthetic import synthetic_config
 
     small = qspec.config.ModelConfig.from_file(default_model_dir / "config.json")
@@ -320,7 +321,7 @@ def test_default_draft_follows_model_size(default_model_dir):
     eng = engine_for(default_model_dir, "auto")
     assert eng.draft == SMALL_MODEL_DRAFT
     # an explicit format casts its LM head in the same format unless told otherwise
-    assert qspec.engine.resolve_draft_spec("mxfp8_e4m3", None, small) == qspec.engine.DraftSpec("mxfp8_e4m3", "mxfp8_e4m3")
+    assert qspec.loading.resolve_draft_spec("mxfp8_e4m3", None, small) == qspec.draft.DraftSpec("mxfp8_e4m3", "mxfp8_e4m3")
 
 
 def full_prefill(eng, prompt, **kw):
