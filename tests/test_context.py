@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import qspec
-import qspec.engine
+import qspec.loading
 from qspec import ContextMemoryError, ContextSizeError, PromptTooLongError
 from qspec.kv_cache import KVCache, KVPool
 from qspec.memory import available_bytes, cache_bytes, draft_kv_bytes_per_token, kv_bytes_per_token
@@ -58,7 +58,7 @@ def test_memory_checked_before_any_weight_is_read(tiny, monkeypatch):
     def no_weights(*a, **k):
         raise AssertionError("weights were read before the memory check")
 
-    monkeypatch.setattr(qspec.engine, "load_weights", no_weights)
+    monkeypatch.setattr(qspec.loading, "load_weights", no_weights)
     with pytest.raises(ContextMemoryError) as e:
         qspec.load(tiny, ctx_size=HUGE)
     # the BF16 cache and the draft copy of the default draft (draft_kv="auto")
