@@ -185,6 +185,25 @@ inline simde__m512 dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b) 
   return simde_mm512_loadu_ps(acc);
 }
 
+// VCVTNE2PS2BF16 (SDM): b's 16 floats to BF16 elements 0-15, a's to 16-31, rounded to nearest
+// even; denormal inputs read as zero, a NaN made quiet.
+inline simde__m512bh cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+  float v[32];
+  simde_mm512_storeu_ps(v, b);
+  simde_mm512_storeu_ps(v + 16, a);
+  uint16_t h[32];
+  for (int i = 0; i < 32; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    if (std::isnan(v[i])) h[i] = uint16_t((u >> 16) | 0x40);
+    else if (std::fpclassify(v[i]) == FP_SUBNORMAL) h[i] = uint16_t((u >> 16) & 0x8000);
+    else h[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+  simde__m512bh r;
+  std::memcpy(&r, h, 64);
+  return r;
+}
+
 // C[m][n] += A.bf16[m][2k] * B.bf16[k][2n] + A.bf16[m][2k+1] * B.bf16[k][2n+1], k ascending.
 // Row m of C reads only row m of A (and all of B): the configured row count never changes a
 // row's result. Shapes the hardware rejects (#UD) are rejected here too.
@@ -239,6 +258,8 @@ inline void tile_dpbssd(int c, int a, int b) {
 #undef _mm512_reduce_add_ps
 #define _mm512_reduce_add_ps(a) qspec_emu::reduce_add_ps(a)
 
+#undef _mm512_cvtne2ps_pbh
+#define _mm512_cvtne2ps_pbh(a, b) qspec_emu::cvtne2ps_pbh(a, b)
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps(src, a, b) qspec_emu::dpbf16_ps(src, a, b)
 #undef _tile_loadconfig

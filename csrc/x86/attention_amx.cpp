@@ -71,8 +71,12 @@
 // score extraction reading its bounds through locals, an 8,192-row prefill's attention ran
 // 1.12-1.18x faster (model-167 Xeon, 2 threads, one layer's `_C.attention` call, alternating
 // builds). Knocking the exponentials out of a throwaway build took another 15% off: the vector
-// work is on the critical path beside the tiles. Left: the partials of 256-key segments and
-// their fold.
+// work is on the critical path beside the tiles. The weights' mid parts rounded by
+// VCVTNE2PS2BF16 instead of integer operations: the same bits, 1.02-1.06x. Tried and no faster:
+// making the next tile block's weights a pair at a time between this block's V blocks (the
+// exponentials interleaved with the TDPBF16PS they could overlap), and the segment fold's V
+// sums in 512-bit vectors (attention.cpp's fold_partial is SSE). Left: the partials of 256-key
+// segments and their fold.
 #include <immintrin.h>
 
 #include <cmath>
@@ -104,15 +108,14 @@ inline void split2x32(__m512 r0, __m512 r1, uint16_t* dst, int64_t part_stride) 
                                                       23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
                                                       45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
   const __m512i idx = _mm512_load_si512(kHighWords), top = _mm512_set1_epi32(int(0xFFFF0000u));
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i b0 = _mm512_castps_si512(r0), b1 = _mm512_castps_si512(r1);
   _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(b0, idx, b1));  // hi: the high halves
-  // the remainders (exact), rounded to nearest even: + 0x7FFF + the lowest kept bit, high halves
+  // the remainders (exact), rounded to nearest even by VCVTNE2PS2BF16; it reads a denormal
+  // remainder as 0 (x below 2^-119), where TDPBF16PS would flush the BF16 part anyway
   const __m512i d0 = _mm512_castps_si512(_mm512_sub_ps(r0, _mm512_castsi512_ps(_mm512_and_si512(b0, top))));
   const __m512i d1 = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(_mm512_and_si512(b1, top))));
-  const __m512i n0 = _mm512_add_epi32(d0, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(d0, 16), one)));
-  const __m512i n1 = _mm512_add_epi32(d1, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(d1, 16), one)));
-  _mm512_storeu_si512(dst + part_stride, _mm512_permutex2var_epi16(n0, idx, n1));
+  const __m512bh mid = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(d1), _mm512_castsi512_ps(d0));  // keys 0-15 low
+  std::memcpy(dst + part_stride, &mid, 64);
 }
 // The same for x[0 .. e) (e <= 32; zeros from e); x is only read when e > 0.
 inline void split2x32(const float* x, int64_t e, uint16_t* dst, int64_t part_stride) {
