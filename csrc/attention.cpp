@@ -232,6 +232,8 @@ void run_ref(AttnRowHeadFn fn, const AttnArgs& a) {
                     Pool::instance().threads());
 }
 
+}  // namespace
+
 // The segments of pair (row, head) that hold a partial, p = attn_row_pos >= kAttnSegKeys: those
 // below nseg = ceil((p + 1) / S) that are not below its window (segment 0 holds sinks when it has
 // them, sink_keys <= kAttnSegKeys) and whose keys the sparse draft attention keeps for its KV head.
@@ -245,27 +247,34 @@ bool pair_has_partial(const AttnArgs& a, int64_t row, int64_t head, int64_t s) {
 
 // A pair's segments are combined by one fold in segment order (online softmax over the partials):
 // st = {M, Σ, A[0 .. hd)} starts empty (M = -inf) and for each partial {m, l, V} in order 0, 1, ..
-//   M' = max(M, m),  a = exp(M - M'),  b = exp(m - M'),  Σ = Σ·a + l·b,  A = A·a + V·b
+//   M' = max(M, m),  a = exp(M - M'),  b = exp(m - M'),  Σ = Σ·a + l·b,  A = fma(V, b, A·a)
 // (the first one is taken as it is; an empty partial, m = -inf, is skipped); out = A · (1 / Σ).
+// A's loop runs as wide as the ISA level allows, each element one FMA (std::fma's bits), and
+// exp(0) = 1 is not computed: an 8k prefill folds ~1.6 M partials a layer, and the scalar fold
+// with its two exps was ~10% of the AMX kernel's attention.
 // It depends only on the pair's own partials and their order, so a unit that folds its pairs'
 // partials as it finishes each segment (run_chunk_units) and a merge after all units
 // (run_grouped) give the same bits, and neither needs all of a pair's partials at once.
-void fold_partial(float* st, const float* ps, int64_t hd) {
-  if (ps[0] == -INFINITY) return;
+void fold_partial(float* st, float pm, float pl, const float* pv, int64_t hd) {
+  if (pm == -INFINITY) return;
   if (st[0] == -INFINITY) {
-    std::memcpy(st, ps, size_t(hd + 2) * 4);
+    st[0] = pm;
+    st[1] = pl;
+    std::memcpy(st + 2, pv, size_t(hd) * 4);
     return;
   }
-  const float m = st[0] > ps[0] ? st[0] : ps[0];
-  const float wa = std::exp(st[0] - m), wb = std::exp(ps[0] - m);
+  const float m = st[0] > pm ? st[0] : pm;
+  const float wa = st[0] == m ? 1.f : std::exp(st[0] - m), wb = pm == m ? 1.f : std::exp(pm - m);
   st[0] = m;
-  st[1] = st[1] * wa + ps[1] * wb;
-  if (wa == 1.f) {  // the running max stands (the usual case): x · 1 is x, the same bits
-    for (int64_t c = 0; c < hd; ++c) st[2 + c] = st[2 + c] + ps[2 + c] * wb;
-    return;
-  }
-  for (int64_t c = 0; c < hd; ++c) st[2 + c] = st[2 + c] * wa + ps[2 + c] * wb;
+  st[1] = st[1] * wa + pl * wb;
+  const Isa isa = isa_selected();
+  if (isa >= Isa::avx512) return attn_fold_rows_avx512(st + 2, pv, hd, wa, wb);
+  if (isa >= Isa::avx2) return attn_fold_rows_avx2(st + 2, pv, hd, wa, wb);
+  for (int64_t c = 0; c < hd; ++c) st[2 + c] = std::fma(pv[c], wb, st[2 + c] * wa);
 }
+
+namespace {
+void fold_partial(float* st, const float* ps, int64_t hd) { qspec::fold_partial(st, ps[0], ps[1], ps + 2, hd); }
 
 void finish_pair(const AttnArgs& a, const float* st, int64_t row, int64_t head) {
   const int64_t hd = a.kv.head_dim;
@@ -371,15 +380,17 @@ void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
       part.row0 = r0;
       part.unit_continues = false;
       float* const states = part.data + slot_floats / 2;
+      part.states = states;
       auto state = [&](int64_t row, int64_t head) { return states + ((row - r0) * a.n_heads + head) * (hd + 2); };
       for (int64_t row = r0; row < r1; ++row)
         for (int64_t head = h * group; head < (h + 1) * group; ++head) state(row, head)[0] = -INFINITY;
       for (int64_t s = 0; s < seg_max; ++s)
         if (segment_live(a, r0, r1, s)) {
           part.seg0 = s;
+          part.kernel_folded = false;
           fn(a, h, r0 * group, r1 * group, s, part);
           part.unit_continues = true;
-          for (int64_t row = r0; row < r1; ++row)
+          for (int64_t row = r0; row < r1 && !part.kernel_folded; ++row)
             if (attn_row_pos(a, row) >= S)
               for (int64_t head = h * group; head < (h + 1) * group; ++head)
                 if (pair_has_partial(a, row, head, s)) fold_partial(state(row, head), part.at(a, row, head, s), hd);

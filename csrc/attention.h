@@ -357,10 +357,28 @@ struct AttnPartials {
   // True when this thread's previous call was the same unit's previous segment (run_chunk_units):
   // a kernel may keep per-unit work (the AMX kernel's q parts) in its thread scratch between them.
   bool unit_continues = false;
+  // run_chunk_units: the unit's fold states, [rows from row0][n_heads][head_dim + 2] (fold_partial's
+  // st). A kernel may fold each pair's segment into them itself (the AMX kernel: no partial
+  // written and read back) and then sets kernel_folded; otherwise the driver folds the partials.
+  float* states = nullptr;
+  mutable bool kernel_folded = false;
   float* at(const AttnArgs& a, int64_t row, int64_t head, int64_t seg) const {
     return data + (((row - row0) * a.n_heads + head) * max_seg + seg - seg0) * (a.kv.head_dim + 2);
   }
+  float* state(const AttnArgs& a, int64_t row, int64_t head) const {
+    return states + ((row - row0) * a.n_heads + head) * (a.kv.head_dim + 2);
+  }
 };
+
+// Whether pair (row, head) has a partial in segment s (it attends keys there and has more than one
+// segment), and the fold of one segment's partial {m = pm, Σ = pl, V sums pv} into the pair's state
+// st = {M, Σ, A[hd]} (csrc/attention.cpp: a pair's segments are folded in segment order).
+bool pair_has_partial(const AttnArgs& a, int64_t row, int64_t head, int64_t s);
+void fold_partial(float* st, float pm, float pl, const float* pv, int64_t hd);
+// st[c] = fma(ps[c], wb, st[c] · wa) for c < n: the V sums of a segment fold (fold_partial), one
+// element at a time, so the AVX2 / AVX-512 loops give std::fma's bits.
+void attn_fold_rows_avx2(float* st, const float* ps, int64_t n, float wa, float wb);
+void attn_fold_rows_avx512(float* st, const float* ps, int64_t n, float wa, float wb);
 
 using AttnGroupFn = void (*)(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                              int64_t seg, const AttnPartials& part);

@@ -75,8 +75,11 @@
 // VCVTNE2PS2BF16 instead of integer operations: the same bits, 1.02-1.06x. Tried and no faster:
 // making the next tile block's weights a pair at a time between this block's V blocks (the
 // exponentials interleaved with the TDPBF16PS they could overlap), and the segment fold's V
-// sums in 512-bit vectors (attention.cpp's fold_partial is SSE). Left: the partials of 256-key
-// segments and their fold.
+// sums in 512-bit vectors alone. What did pay: the segment fold. Each pair's segment (1.6 M a
+// layer at 8k) was copied into a partial, read back by the driver and folded by scalar SSE code
+// with two exps; it is now folded here straight from the V sums (part.states, run_chunk_units),
+// 512 bits wide, exp(0) = 1 not computed: 1.08-1.12x on the whole 8k prefill attention. q in two
+// BF16 parts (17 bits, as the weights) instead of three measured 1.03-1.09x: not taken.
 #include <immintrin.h>
 
 #include <cmath>
@@ -258,7 +261,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // per pair (int32). Every size depends on the unit's pairs only, not on the segment, so a unit
   // that continues (part.unit_continues) finds its q parts where it left them.
   const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
-                f_vmax = round_up(np, 16) * 16;
+                f_vmax = round_up(np, 16);  // a vector per tile block
   const int64_t h_q = nblk * nch * kQParts * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
                 h_w = kWParts * kTile * (kAttnSegKeys + kVKeys);
   float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
@@ -317,35 +320,43 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
         for (int64_t rr = 0; rr < kTile; ++rr) _mm512_storeu_ps(reinterpret_cast<float*>(dst + rr * 2 * kTile), r[rr]);
       }
     }
-  for (int64_t u = 0; u < round_up(np, kTile); ++u) _mm512_storeu_ps(vmax + u * 16, _mm512_set1_ps(-INFINITY));
+  for (int64_t b = 0; b < nblk; ++b) _mm512_storeu_ps(vmax + b * 16, _mm512_set1_ps(-INFINITY));
   if (hdp != hd) std::memset(kst, 0, size_t(h_k) * 2);  // columns hd .. hdp stay zero
 
-  const __m512 vscale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 vscale = _mm512_set1_ps(a.scale);
   // Scores of staged keys [j0, j0 + nk) (nk <= kStageKeys) for the pairs of tile blocks [b0, b1)
-  // that `want`; each pair's running max as 16 lanes (vmax), folded into maxs before pass 2.
-  // Tiles: 2 key blocks x 2 pair blocks, or up to 4 key blocks of one pair block.
+  // that `want`; the running max of tile block b's pairs in one vector (vmax + 16 b, lane = pair),
+  // folded row by row of the score tile (a row is a key: its lanes the pairs that attend it)
+  // before the tile is transposed for the stores. Per pair a vector of 16 lanes loaded, folded and
+  // stored again for every 16 keys cost 10-13% of an 8k prefill's attention.
   // (The loop reads everything through locals: through the lambdas' captured references every
   // pair reloaded its bounds after each store, a fifth of the vector work.)
   auto extract = [&](const float* ct, int64_t jb, int64_t nkb, int64_t b, auto&& want) {
-    __m512 r[kTile];  // Sᵀ[key][pair] -> per pair its 16 keys' scores
-    for (int64_t t = 0; t < kTile; ++t) r[t] = _mm512_loadu_ps(ct + t * kTile);
-    avx512::transpose16(r);
     const int32_t* const nf = nfull;
-    const int64_t cap = kcap, u0b = b * kTile, npairs = np - u0b, stride = sc_stride;
+    const int64_t u0b = b * kTile, npairs = np - u0b < kTile ? np - u0b : kTile, stride = sc_stride;
+    __mmask16 wanted = 0;
+    for (int pr = 0; pr < npairs; ++pr) wanted |= __mmask16(want(u0b + pr) ? 1u << pr : 0u);
+    // each pair's keys in this segment, 0 for the lanes not wanted (they attend no key here)
+    const __m512i nvec = _mm512_min_epi32(_mm512_maskz_loadu_epi32(wanted, nf + u0b), _mm512_set1_epi32(int(kcap)));
+    const __m512 scale = vscale;
+    __m512 r[kTile];  // Sᵀ[key][pair] -> per pair its 16 keys' scores
+    __m512 mx = _mm512_loadu_ps(vmax + b * 16);
+    for (int64_t t = 0; t < kTile; ++t) {
+      r[t] = _mm512_mul_ps(_mm512_loadu_ps(ct + t * kTile), scale);
+      // the pairs that attend key jb + t; a NaN score is skipped (max_ps returns its second operand)
+      const __mmask16 att = t < nkb ? _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(int(jb + t))) : __mmask16(0);
+      mx = _mm512_mask_max_ps(mx, att, r[t], mx);
+    }
+    _mm512_storeu_ps(vmax + b * 16, mx);
+    avx512::transpose16(r);
     float* const sc0 = scores + u0b * sc_stride + jb - kbeg;
-    float* const vm0 = vmax + u0b * 16;
-    const __m512 scale = vscale, ninf = neg_inf;
+    const int64_t cap = kcap;
 #pragma GCC unroll 16
     for (int pr = 0; pr < kTile; ++pr) {  // unrolled: r[pr] stays in its register
       if (pr >= npairs) break;
-      if (!want(u0b + pr)) continue;
+      if (!(wanted >> pr & 1)) continue;
       const int64_t n = nf[u0b + pr] < cap ? nf[u0b + pr] : cap;
-      const __mmask16 live = first_lanes(n - jb < nkb ? n - jb : nkb);
-      const __m512 sc = _mm512_mul_ps(r[pr], scale);
-      _mm512_mask_storeu_ps(sc0 + pr * stride, live, sc);
-      // a NaN score is skipped (max_ps returns its second operand), as a scalar fold would
-      const __m512 folded = _mm512_max_ps(_mm512_mask_blend_ps(live, ninf, sc), _mm512_loadu_ps(vm0 + pr * 16));
-      _mm512_storeu_ps(vm0 + pr * 16, folded);
+      _mm512_mask_storeu_ps(sc0 + pr * stride, first_lanes(n - jb < nkb ? n - jb : nkb), r[pr]);
     }
   };
   auto score_keys = [&](int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& want) {
@@ -393,11 +404,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   });
 
   // Pass 2: per pair, over its own keys of this segment.
-  for (int64_t u = 0; u < np; ++u) {
-    float m = -INFINITY;
-    for (int l = 0; l < 16; ++l) m = vmax[u * 16 + l] > m ? vmax[u * 16 + l] : m;
-    maxs[u] = m;
-  }
+  for (int64_t u = 0; u < np; ++u) maxs[u] = vmax[u];  // vmax + 16 b: block b's lanes
   // Pass 3: V sums in tiles of 16 pairs x 16 columns, in blocks of 32 keys from kbeg. Each C tile
   // sums one tile block's 16 columns through all of its blocks in key order (shared blocks, then a
   // tree row's own), each block's parts lo, mid, hi: one TDPBF16PS chain per element. A pair with
@@ -528,6 +535,8 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       float* out = a.out + (row_of(u) * a.n_heads + head_of(u)) * hd;
       const float inv = 1.f / s;
       for (int64_t d = 0; d < hd; ++d) out[d] = acc[d] * inv;
+    } else if (part.states) {  // run_chunk_units: folded here, not written and read back
+      if (pair_has_partial(a, row_of(u), head_of(u), seg)) fold_partial(part.state(a, row_of(u), head_of(u)), maxs[u], s, acc, hd);
     } else {
       float* pp = part.at(a, row_of(u), head_of(u), seg);
       pp[0] = maxs[u];
@@ -535,6 +544,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       std::memcpy(pp + 2, acc, size_t(hd) * 4);
     }
   }
+  part.kernel_folded = part.states != nullptr;
 }
 
 }  // namespace

@@ -501,4 +501,12 @@ void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_
   }
 }
 
+void attn_fold_rows_avx2(float* st, const float* ps, int64_t n, float wa, float wb) {
+  const __m256 va = _mm256_set1_ps(wa), vb = _mm256_set1_ps(wb);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    _mm256_storeu_ps(st + c, _mm256_fmadd_ps(_mm256_loadu_ps(ps + c), vb, _mm256_mul_ps(_mm256_loadu_ps(st + c), va)));
+  for (; c < n; ++c) st[c] = std::fma(ps[c], wb, st[c] * wa);
+}
+
 }  // namespace qspec

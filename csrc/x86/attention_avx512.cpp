@@ -295,4 +295,13 @@ void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t 
   }
 }
 
+void attn_fold_rows_avx512(float* st, const float* ps, int64_t n, float wa, float wb) {
+  const __m512 va = _mm512_set1_ps(wa), vb = _mm512_set1_ps(wb);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = n - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - c)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(m, st + c), p = _mm512_maskz_loadu_ps(m, ps + c);
+    _mm512_mask_storeu_ps(st + c, m, _mm512_fmadd_ps(p, vb, _mm512_mul_ps(x, va)));
+  }
+}
+
 }  // namespace qspec
