@@ -7,7 +7,9 @@ bandwidth, `FloorMeter`: probe, work, probe, work, ...), and writes one JSON lin
 `JsonWriter` (header context is added to every line).
 
 A/B of two builds of the extension, in any bench: QSPEC_BENCH_SO=/path/to/_C.cpython-*.so loads
-that file in place of qspec._C (run the two builds as alternating processes, compare medians).
+that file in place of qspec._C (qspec/__init__.py: it must happen before the package loads its own,
+and one process can hold one build only; run the two builds as alternating processes, compare
+medians). `print_header` names the file a run used.
 """
 
 from __future__ import annotations
@@ -26,16 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-if os.environ.get("QSPEC_BENCH_SO"):  # before anything imports qspec._C
-    import importlib.util
-
-    _spec = importlib.util.spec_from_file_location("qspec._C", os.environ["QSPEC_BENCH_SO"])
-    _mod = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
-    sys.modules["qspec._C"] = _mod
-
-from qspec import _C  # noqa: E402
-from qspec.cli import int_at_least  # noqa: E402
+from qspec import _C
+from qspec.cli import int_at_least
 
 HERE = Path(__file__).resolve().parent
 DEV_PROMPTS = HERE / "prompts" / "dev.jsonl"  # the dev prompt set, shipped with the benchmarks
@@ -177,6 +171,8 @@ def print_header(args, title: str = "") -> dict:
         f"# flags: {ctx['flags']}   qspec isa_selected: {ctx['isa']} (detected {_C.isa_detected()})",
         f"# threads: {ctx['threads']}   commit: {ctx['commit']}   load avg(1m): {load:.2f}",
     ]
+    if os.environ.get("QSPEC_BENCH_SO"):
+        lines.append(f"# extension: {_C.__file__} (QSPEC_BENCH_SO)")
     try:
         import torch
         lines.append(f"# torch {torch.__version__} (threads {torch.get_num_threads()}), "

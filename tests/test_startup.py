@@ -90,3 +90,29 @@ def test_cli_never_imports_torch(default_model_dir, warm, argv, ok):
     assert out["torch"] is False
     assert out["server"] is False  # only `qspec serve` imports the server's libraries
     assert (out["rc"] == 0) == ok, out
+
+
+def test_bench_so_replaces_the_extension_everywhere(tmp_path):
+    """QSPEC_BENCH_SO (A/B runs of two builds): every module that uses qspec._C, the CLI's bench
+    modules included, gets that file, not the installed one (it used to be swapped in after the
+    package had loaded its own, so both "builds" of an A/B ran the installed one)."""
+    import shutil
+
+    from qspec import _C
+    copy = tmp_path / "other" / os.path.basename(_C.__file__)
+    copy.parent.mkdir()
+    shutil.copy(_C.__file__, copy)
+    code = textwrap.dedent("""
+        import json
+        import qspec.cli, qspec.bench.common as common, qspec.native as native
+        import qspec
+        print(json.dumps([qspec._C.__file__, common._C.__file__, native._C.__file__]))
+    """)
+    for so, expect in ((None, _C.__file__), (str(copy), str(copy))):
+        env = dict(os.environ, QSPEC_CACHE=str(tmp_path / "cache"))
+        env.pop("QSPEC_BENCH_SO", None)
+        if so:
+            env["QSPEC_BENCH_SO"] = so
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == [expect] * 3
