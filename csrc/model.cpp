@@ -54,9 +54,11 @@ struct WeightSet {
   }
 };
 
-// Row-wise ops (norms, RoPE, SiLU) are split over threads only for prefill-sized batches;
-// each row is computed the same way whichever thread runs it.
-constexpr int64_t kParallelRows = 16;
+// Row-wise ops (norms, RoPE, SiLU) are split over threads from 4 rows (verify passes and up);
+// each row is computed the same way whichever thread runs it. From 16 rows before: a 9-row
+// verify of Qwen2.5-Coder-1.5B spent 2.8-3.0 ms a step in them on one thread, 2.2-2.3 split
+// (model-167 AMX Xeon, 2 threads, `qspec bench breakdown --ms 1,5,9,12`, builds alternated).
+constexpr int64_t kParallelRows = 4;
 
 template <class F>
 void for_rows(int64_t m, F&& f) {
