@@ -379,9 +379,8 @@ void run_chunk_units(AttnGroupFn fn, const AttnArgs& a, int64_t chunks) {
       part.max_seg = 1;
       part.row0 = r0;
       part.unit_continues = false;
-      float* const states = part.data + slot_floats / 2;
-      part.states = states;
-      auto state = [&](int64_t row, int64_t head) { return states + ((row - r0) * a.n_heads + head) * (hd + 2); };
+      part.states = part.data + slot_floats / 2;
+      auto state = [&](int64_t row, int64_t head) { return part.state(a, row, head); };
       for (int64_t row = r0; row < r1; ++row)
         for (int64_t head = h * group; head < (h + 1) * group; ++head) state(row, head)[0] = -INFINITY;
       for (int64_t s = 0; s < seg_max; ++s)
