@@ -88,7 +88,6 @@
 
 #include "amx_tiles.h"
 #include "attention.h"
-#include "attention_avx512.h"
 #include "vec_avx512.h"
 
 namespace qspec {

@@ -1,6 +1,6 @@
-// AVX-512F pieces shared by the attention kernels compiled with AVX-512 flags
-// (attention_avx512.cpp, attention_amx.cpp): `static inline`, so each translation unit keeps a
-// private copy built with its own flags and none can be linked into baseline code.
+// AVX-512F pieces of attention_avx512.cpp (the AMX kernel has its own exponentials, fused with its
+// weight split): `static inline`, so a translation unit keeps a private copy built with its own
+// flags and none can be linked into baseline code.
 #pragma once
 #include <immintrin.h>
 
