@@ -223,20 +223,26 @@ void fp_tile(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
 // the unsigned operand of vpmaddubsw; 12*sum(q) (xc) is taken off per block. Bounds: a pair is
 // <= 2*24*127 = 6096, four slabs summed in int16 <= 24384 < 2^15: exact.
 //
-// 1-4 rows of x at once: one decode of each slab serves every row. Per half-block (4 slabs) the
+// MB = 1-4 rows of x at once: one decode of each slab serves every row; NB row blocks side by
+// side (NB = 2 at one row: two weight streams). Per half-block (4 slabs) the
 // int16 sums of every row stay in registers: an empty asm after each row's adds pins them there
 // (GCC otherwise reassociates the integer adds, hoists the products of all four slabs ahead of
 // them and spills them, ~1.4x the time of this form at 3-4 rows). The fp32 sums live in acc (L1),
 // one load, fma and store per row and block. Integer sums are exact and the per-block fma is the
 // same as ref's: bit-identical to ref for any M, row tile or thread count.
-template <int MB>
+template <int MB, int NB>
 void q4_rows(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, float* acc, bool init) {
   acc = acc_row(acc, m0);  // rows from the tile's first: see acc_row
   const int64_t kb = a.kp / kKBlk;
   if (init)
-    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, 16 * 4);
-  const uint8_t* w = a.data + nb * (a.kp / 4) * 32;
-  const uint8_t* s = a.scales + nb * kb * kRows;
+    for (int i = 0; i < MB; ++i) std::memset(acc_row(acc, i), 0, NB * 16 * 4);
+  const int64_t block_bytes = (a.kp / 4) * 32;
+  const uint8_t* w[NB];
+  const uint8_t* s[NB];
+  for (int j = 0; j < NB; ++j) {
+    w[j] = a.data + (nb + j) * block_bytes;
+    s[j] = a.scales + (nb + j) * kb * kRows;
+  }
   const int8_t* q[MB];
   for (int i = 0; i < MB; ++i) q[i] = a.xq + (m0 + i) * a.kp;
   const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
@@ -244,41 +250,48 @@ void q4_rows(const GemmArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1, 
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = k0 / kKBlk; b < k1 / kKBlk; ++b) {
-    __m256i isum[MB][2];
+    __m256i isum[MB][NB][2];
     for (int half = 0; half < 2; ++half) {
-      __m256i s16[MB][2];
-      for (int i = 0; i < MB; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+      __m256i s16[MB][NB][2];
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j) s16[i][j][0] = s16[i][j][1] = _mm256_setzero_si256();
       for (int g = 0; g < 4; ++g) {
         const int64_t slab = b * 8 + half * 4 + g;
-        if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + slab * 32 + a.prefetch), _MM_HINT_T0);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + slab * 32));
-        const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
-        const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-        for (int i = 0; i < MB; ++i) {
-          int32_t q4;
-          std::memcpy(&q4, q[i] + slab * 4, 4);
-          const __m256i xq = _mm256_set1_epi32(q4);
-          s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(wl, xq));
-          s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(wh, xq));
-          asm("" : "+x"(s16[i][0]), "+x"(s16[i][1]));
+        for (int j = 0; j < NB; ++j) {
+          if (g % 2 == 0)
+            _mm_prefetch(stream_ahead(w[j], slab * 32, a.prefetch, block_bytes, NB * block_bytes), _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + slab * 32));
+          const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+          const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+          for (int i = 0; i < MB; ++i) {
+            int32_t q4;
+            std::memcpy(&q4, q[i] + slab * 4, 4);
+            const __m256i xq = _mm256_set1_epi32(q4);
+            s16[i][j][0] = _mm256_add_epi16(s16[i][j][0], _mm256_maddubs_epi16(wl, xq));
+            s16[i][j][1] = _mm256_add_epi16(s16[i][j][1], _mm256_maddubs_epi16(wh, xq));
+            asm("" : "+x"(s16[i][j][0]), "+x"(s16[i][j][1]));
+          }
         }
       }
       for (int i = 0; i < MB; ++i)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i s32 = _mm256_madd_epi16(s16[i][h], ones);
-          isum[i][h] = half == 0 ? s32 : _mm256_add_epi32(isum[i][h], s32);
-        }
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i s32 = _mm256_madd_epi16(s16[i][j][h], ones);
+            isum[i][j][h] = half == 0 ? s32 : _mm256_add_epi32(isum[i][j][h], s32);
+          }
     }
-    __m256 d[2];
-    e8m0x16(s + b * kRows, d[0], d[1]);
-    for (int i = 0; i < MB; ++i) {
-      const int64_t ib = (m0 + i) * kb + b;
-      const __m256i xc = _mm256_set1_epi32(a.xc[ib]);
-      const __m256 xd = _mm256_set1_ps(a.xd[ib]);
-      for (int h = 0; h < 2; ++h) {
-        const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][h], xc));
-        float* pa = acc_row(acc, i) + h * 8;
-        _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, _mm256_mul_ps(d[h], xd), _mm256_loadu_ps(pa)));
+    for (int j = 0; j < NB; ++j) {
+      __m256 d[2];
+      e8m0x16(s[j] + b * kRows, d[0], d[1]);
+      for (int i = 0; i < MB; ++i) {
+        const int64_t ib = (m0 + i) * kb + b;
+        const __m256i xc = _mm256_set1_epi32(a.xc[ib]);
+        const __m256 xd = _mm256_set1_ps(a.xd[ib]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 fi = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i][j][h], xc));
+          float* pa = acc_row(acc, i) + j * 16 + h * 8;
+          _mm256_storeu_ps(pa, _mm256_fmadd_ps(fi, _mm256_mul_ps(d[h], xd), _mm256_loadu_ps(pa)));
+        }
       }
     }
   }
@@ -433,12 +446,24 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
   }
 }
 
-// MXFP4: balanced row tiles of at most 4 rows (M = 5: 3 + 2; a 5-row tile measured no faster),
-// one row block at a time. With several row tiles, K is chunked so the block's weights are
-// re-read from L1.
+// MXFP4: one row reads two row blocks at once. With a single stream the hardware prefetcher
+// ran too short a distance ahead of a loop this busy (model-167 Xeon at QSPEC_ISA=avx2, one
+// thread, weights from DRAM: 11.0-11.4 GB/s against 16.5 for a plain read; with two streams
+// 12.7-14.2; 2 threads 21-23 -> 24-28 GB/s; longer, shorter or L2-only software prefetches all
+// gave 10.3-11.5; four streams spill). More rows: balanced row tiles of at most 4 rows (M = 5:
+// 3 + 2; a 5-row tile measured no faster), one row block at a time; with several row tiles, K is
+// chunked so the block's weights are re-read from L1.
 void q4_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   constexpr int kMaxRows = 4;
-  const TileFn rows_tiles[kMaxRows] = {q4_rows<1>, q4_rows<2>, q4_rows<3>, q4_rows<4>};
+  const TileFn rows_tiles[kMaxRows] = {q4_rows<1, 1>, q4_rows<2, 1>, q4_rows<3, 1>, q4_rows<4, 1>};
+  if (a.m == 1) {  // two row blocks' streams at once
+    for (int64_t nb = nb0; nb < nb1; nb += 2) {
+      if (nb + 1 < nb1) q4_rows<1, 2>(a, nb, 0, 0, a.kp, acc, true);
+      else q4_rows<1, 1>(a, nb, 0, 0, a.kp, acc, true);
+      store_rows(a, nb, nb + 1 < nb1 ? 2 : 1, acc);
+    }
+    return;
+  }
   const int64_t ntiles = (a.m + kMaxRows - 1) / kMaxRows;
   int64_t kc = ntiles == 1 ? a.kp : (kL1Bytes / (16 + a.m)) / kKBlk * kKBlk;
   if (kc < kKBlk) kc = kKBlk;
