@@ -135,6 +135,7 @@ bool bf16_fma();
 // faster; an AMX Xeon of model 167: at M = 1 28.0-28.6 ms against 29.9-30.6 for 4 and 31-32 for
 // one, and 9.5% less draft time per token end to end). AMD (a Zen 4 VM): one stream at every M,
 // 4 at M = 1 took 1.2x as long (as long as the AVX2 kernel's one stream) and 2 at M = 8 1.1-1.4x.
+// The AVX2 MXFP4 kernel follows the count at one row (2 streams when it is 2 or more).
 // set_mx_row_blocks(n) forces n (1, 2 or 4) at every M, 0 restores the choice by CPU; returns the
 // previous setting.
 int set_mx_row_blocks(int n);

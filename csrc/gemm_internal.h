@@ -7,7 +7,7 @@
 
 namespace qspec {
 
-int mx_row_blocks(int rows);  // gemm.h: row blocks of the VNNI MXFP4 kernel, chosen per CPU
+int mx_row_blocks(int rows);  // gemm.h: row blocks of the MXFP4 kernels (VNNI; AVX2 at one row), per CPU
 
 namespace detail {
 

@@ -276,6 +276,22 @@ def test_mxfp4_vnni_row_blocks_keep_the_bits(rng):
                 _C.set_mx_row_blocks(old)
 
 
+def test_mxfp4_avx2_streams_keep_the_bits(rng):
+    """The AVX2 MXFP4 kernel at one row reads one or two row blocks' streams (mx_row_blocks, per
+    CPU): ref's bits either way, with odd block counts (72 outputs: 4 blocks and a half; 40: 2 and
+    a half) leaving a single block at the end."""
+    for n_out in (72, 40, 16):
+        pw, _ = make_weight(rng, "mxfp4", n_out, 1000)
+        x = rng.standard_normal((1, 1000)).astype(np.float32)
+        yref = _C.gemm(pw, x, path="ref")
+        for n in (1, 2, 4, 0):
+            old = _C.set_mx_row_blocks(n)
+            try:
+                np.testing.assert_array_equal(_C.gemm(pw, x, path="avx2"), yref, err_msg=f"n={n_out} blocks={n}")
+            finally:
+                _C.set_mx_row_blocks(old)
+
+
 @pytest.mark.parametrize("n", [-1, 3, 8])
 def test_mxfp4_vnni_row_blocks_bad_value(n):
     with pytest.raises(ValueError, match="set_mx_row_blocks: n is 0"):

@@ -480,17 +480,19 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
   }
 }
 
-// MXFP4: one row reads two row blocks at once. With a single stream the hardware prefetcher
-// ran too short a distance ahead of a loop this busy (model-167 Xeon at QSPEC_ISA=avx2, one
-// thread, weights from DRAM: 11.0-11.4 GB/s against 16.5 for a plain read; with two streams
-// 12.7-14.2; 2 threads 21-23 -> 24-28 GB/s; longer, shorter or L2-only software prefetches all
-// gave 10.3-11.5; four streams spill). More rows: balanced row tiles of at most 4 rows (M = 5:
+// MXFP4: one row reads two row blocks at once where mx_row_blocks (gemm.h) says streams pay
+// (Intel; AMD keeps one, as its VNNI kernel does: not measured on an AVX2-only Zen 3). With a
+// single stream the hardware prefetcher ran too short a distance ahead of a loop this busy
+// (model-167 Xeon at QSPEC_ISA=avx2, one thread, weights from DRAM: 11.0-11.4 GB/s against 16.5
+// for a plain read; with two streams 12.7-14.2; 2 threads 21-23 -> 24-28 GB/s; longer, shorter
+// or L2-only software prefetches all gave 10.3-11.5; four streams spill). More rows: balanced
+// row tiles of at most 4 rows (M = 5:
 // 3 + 2; a 5-row tile measured no faster), one row block at a time; with several row tiles, K is
 // chunked so the block's weights are re-read from L1.
 void q4_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   constexpr int kMaxRows = 4;
   const TileFn rows_tiles[kMaxRows] = {q4_rows<1, 1>, q4_rows<2, 1>, q4_rows<3, 1>, q4_rows<4, 1>};
-  if (a.m == 1) {  // two row blocks' streams at once
+  if (a.m == 1 && mx_row_blocks(1) >= 2) {  // two row blocks' streams at once
     for (int64_t nb = nb0; nb < nb1; nb += 2) {
       if (nb + 1 < nb1) q4_rows<1, 2>(a, nb, 0, 0, a.kp, acc, true);
       else q4_rows<1, 1>(a, nb, 0, 0, a.kp, acc, true);
