@@ -442,11 +442,16 @@ const TileFn kBf16HTiles[3][kHMaxMB][kHMaxNH] = {QSPEC_HTAB(0), QSPEC_HTAB(1), Q
 constexpr int kHalvesFor[kHMaxMB + 1] = {0, 8, 4, 4, 2, 2, 2};
 constexpr int kOrderFor[kHMaxMB + 1] = {0, 0, 2, 0, 1, 0, 0};
 
-// BF16, M >= 2: groups of GB row blocks; x split into balanced row tiles of <= 6 rows; each row
-// tile sweeps the group's halves in tiles of kHalvesFor[mb]. With several row tiles, K is
-// chunked so the group's weights are re-read from L1.
+// BF16, M >= 2: groups of GB row blocks; x split into balanced row tiles of <= 3 rows up to 6
+// rows, <= 6 rows from 7; each row tile sweeps the group's halves in tiles of kHalvesFor[mb].
+// With several row tiles, K is chunked so the group's weights are re-read from L1. 4-6 rows as
+// two tiles, whose second computes while the next K chunk arrives (below), rather than one that
+// streams and computes at once: model-167 Xeon at QSPEC_ISA=avx2, 2 threads, the 1.5B's gate|up
+// and down shapes from DRAM: 4 rows 76-78 -> 91-100 GFLOP/s, 5 rows 88-94 -> 107-111, 6 rows
+// 102-114 -> 112-118; from 7 rows tiles of 3 or 4 measured level or slower than 6.
 void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
-  const int64_t ntiles = (a.m + kHMaxMB - 1) / kHMaxMB;
+  const int max_rows = a.m <= kHMaxMB ? 3 : kHMaxMB;
+  const int64_t ntiles = (a.m + max_rows - 1) / max_rows;
   const int mb_first = int((a.m + ntiles - 1) / ntiles);
   int gb = (8 % kHalvesFor[mb_first]) == 0 ? 4 : 3;  // whole tiles per group
   gb = gb > kAccCols / kRows ? int(kAccCols / kRows) : gb;
