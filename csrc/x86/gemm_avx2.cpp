@@ -448,7 +448,8 @@ constexpr int kOrderFor[kHMaxMB + 1] = {0, 0, 2, 0, 1, 0, 0};
 // two tiles, whose second computes while the next K chunk arrives (below), rather than one that
 // streams and computes at once: model-167 Xeon at QSPEC_ISA=avx2, 2 threads, the 1.5B's gate|up
 // and down shapes from DRAM: 4 rows 76-78 -> 91-100 GFLOP/s, 5 rows 88-94 -> 107-111, 6 rows
-// 102-114 -> 112-118; from 7 rows tiles of 3 or 4 measured level or slower than 6.
+// 102-114 -> 112-118. From 7 rows (one thread) tiles of 3 were slower than 6 and tiles of 4
+// level, but for 12 rows (4 + 4 + 4: 75-76 / 83 against 69-70 / 79-80 GFLOP/s, one run).
 void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   const int max_rows = a.m <= kHMaxMB ? 3 : kHMaxMB;
   const int64_t ntiles = (a.m + max_rows - 1) / max_rows;
