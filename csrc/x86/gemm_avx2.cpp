@@ -463,7 +463,7 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
   // With several row tiles, the first streams a K chunk in and the others re-read it from L1:
   // the last prefetches the next chunk (kc * 32 bytes on in each block's stream) so that the
   // weights keep arriving while it computes. Model-167 Xeon at QSPEC_ISA=avx2, one thread, 9
-  // rows, weights from DRAM: 57-60 -> 63-70 GFLOP/s; 16 rows level.
+  // rows, weights from DRAM: 54-56 -> 67-69 GFLOP/s (two alternations); 16 rows level.
   GemmArgs ahead = a;
   if (ntiles > 1) ahead.prefetch = kc * 32;
   for (int64_t nb = nb0; nb < nb1; nb += gb) {
@@ -492,9 +492,8 @@ void bf16_blocks_small_m(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc
 // (model-167 Xeon at QSPEC_ISA=avx2, one thread, weights from DRAM: 11.0-11.4 GB/s against 16.5
 // for a plain read; with two streams 12.7-14.2; 2 threads 21-23 -> 24-28 GB/s; longer, shorter
 // or L2-only software prefetches all gave 10.3-11.5; four streams spill). More rows: balanced
-// row tiles of at most 4 rows (M = 5:
-// 3 + 2; a 5-row tile measured no faster), one row block at a time; with several row tiles, K is
-// chunked so the block's weights are re-read from L1.
+// row tiles of at most 4 rows (M = 5: 3 + 2; a 5-row tile measured no faster), one row block at
+// a time; with several row tiles, K is chunked so the block's weights are re-read from L1.
 void q4_blocks(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc) {
   constexpr int kMaxRows = 4;
   const TileFn rows_tiles[kMaxRows] = {q4_rows<1, 1>, q4_rows<2, 1>, q4_rows<3, 1>, q4_rows<4, 1>};
