@@ -1,17 +1,27 @@
 // AVX-512F attention: one call computes several (row, head) pairs of ONE KV head (see
-// attention.h), head_dim a multiple of 8. Same structure as the buffer path of
+// attention.h), head_dim a multiple of 8. The three passes of the buffer path of
 // attention_avx2.cpp (read that file's header for the batch-invariance argument), in natural
-// column order (no even/odd layout, no register-tile path); per pair:
-//   1. scores: keys in blocks of 8 counted from key 0; per key one FMA chain over head_dim in
-//      chunks of 16 (then 8 with zero upper lanes if head_dim % 16 == 8), each key's 16 lanes
-//      folded to 8 and the 8 keys reduced by one fixed hadd tree, · scale;
+// column order (no even/odd layout, no register-tile path), with its own score sums; per pair:
+//   1. scores: per key ONE FMA chain over head_dim in order (d = 0, 1, .., hd - 1), · scale.
+//      Keys sit in the lanes: a K super-block is transposed once into [dim][keys] FP32 (shared by
+//      every pair of the call) and 8-12 chains are summed at once (6 pairs x 32 keys, 3 x 64),
+//      each step a load of the keys' dim d and a broadcast of each pair's q[d]: no horizontal
+//      sums, and the loads shared by the pairs. A score depends only on its q and its key's row,
+//      so how keys and pairs are grouped (m, tree tails, partial blocks) never changes its bits.
+//      Against the former per-key 16-lane chains and hadd tree (model-167 Xeon at QSPEC_ISA=
+//      avx512_bf16, 2 threads, Qwen2.5-Coder-1.5B, `qspec bench breakdown --context 2048 / 8192
+//      --ms 1,9`, builds alternated twice): a 9-row verify's attention 20.6-21.5 -> 17.8-18.7 ms
+//      at 2k, 78.8-81.7 -> 64.7-73.3 ms at 8k; one row level (5.1 / 19-20 ms);
 //   2. exp(s - max) with Σ as 16 lane-wise partial sums over blocks from key 0, then one
 //      horizontal reduction;
-//   3. per output column one FMA chain over keys 0..p in order, then · (1/Σ).
+//   3. per output column one FMA chain over keys 0..p in order, then · (1/Σ); two pairs at a
+//      time share each V load (16 chains in flight), each pair still over its keys in order.
+// Each K / V block's conversion prefetches the next block's rows, one row per row converted
+// (after the last K block, the first V block's): decode rows wait on the cache otherwise.
 // K and V are streamed in super-blocks (multiple of 8 keys, ~16 KB FP32) converted once (exact)
-// into an FP32 block shared by all pairs of the call; each pair uses only keys 0..p of it (a
-// partial last block computes lanes for keys it then drops; each tree lane depends on its own
-// key only). No cache row beyond the call's last row is read. Tree rows (attention.h AttnTree):
+// into an FP32 block shared by all pairs of the call (K transposed, V in row order); each pair
+// uses only keys 0..p of it (a partial last block computes lanes for keys it then drops; each
+// lane depends on its own key only). No cache row beyond the call's last row is read. Tree rows (attention.h AttnTree):
 // the keys all rows share (below the prefix, rounded down to 8) are streamed as above, then each
 // row's remaining logical keys are gathered from their slots into an FP32 block of the same form
 // and run through the same functions, continuing the same blocks of 8, max, Σ and V chains.
@@ -20,8 +30,11 @@
 // on AVX-512 hardware (a Sapphire Rapids VM) and under emulation (tests/test_isa_emulation.py).
 #include <immintrin.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "attention.h"
 #include "attention_avx512.h"
@@ -42,33 +55,25 @@ inline __m512 load_bf16x8_lo(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-// 16 lanes -> 8 (lo + hi halves), then 8 such vectors -> [Σa0 .. Σa7] with a fixed add tree.
-inline __m256 fold(__m512 a) {
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-}
-
-inline __m256 hsum8x8(const __m512 a[8]) {
-  const __m256 t0 = _mm256_hadd_ps(fold(a[0]), fold(a[1]));
-  const __m256 t1 = _mm256_hadd_ps(fold(a[2]), fold(a[3]));
-  const __m256 t2 = _mm256_hadd_ps(fold(a[4]), fold(a[5]));
-  const __m256 t3 = _mm256_hadd_ps(fold(a[6]), fold(a[7]));
-  const __m256 u0 = _mm256_hadd_ps(t0, t1);
-  const __m256 u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-
 // Per-thread scratch lives in baseline code (attention.cpp): STL templates instantiated in
 // an ISA file could be the copy the linker keeps for baseline callers (SIGILL on older CPUs).
 inline float* scratch_floats(int64_t n) { return attn_thread_scratch(n); }
 
 inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
+inline int64_t round16(int64_t x) { return (x + 15) & ~int64_t(15); }
 
-// dst[t · hd + d] = src key t (t < nk), exact BF16 -> FP32; keys nk .. nk_pad - 1 zeroed.
+// The hd BF16 values of a row on their way into L1 ahead of their block.
+inline void prefetch_row(const uint16_t* row, int64_t hd) {
+  for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+// dst[t · hd + d] = src key t (t < nk), exact BF16 -> FP32; keys nk .. nk_pad - 1 zeroed. Rows
+// ahead[t · stride], t < n_ahead (the next block's), are prefetched one per row converted.
 void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t nk_pad, int64_t hd,
-                   float* dst) {
+                   float* dst, const uint16_t* ahead = nullptr, int64_t n_ahead = 0) {
   const int64_t hd16 = hd & ~int64_t(15);
   for (int64_t t = 0; t < nk; ++t) {
+    if (t < n_ahead) prefetch_row(ahead + t * stride, hd);
     for (int64_t d = 0; d < hd16; d += 16)
       _mm512_storeu_ps(dst + t * hd + d, load_bf16x16(src + t * stride + d));
     if (hd16 < hd)
@@ -78,68 +83,108 @@ void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t nk_p
     for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(dst + t * hd + d, _mm256_setzero_ps());
 }
 
-// Scores of 8 consecutive keys (FP32 rows kb[t · hd ..]); lane t = q·K_t before scaling.
-template <int HD>
-inline __m256 dot8(const float* q, const float* kb, int64_t hd_rt) {
-  const int64_t hd = HD > 0 ? HD : hd_rt;
-  const int64_t hd16 = hd & ~int64_t(15);
-  __m512 acc[8];
-  for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < hd16; d += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + t * hd + d), acc[t]);
-  }
-  if (hd16 < hd) {  // q and K lanes 8..15 zero, as in the single-pair kernel's tail
-    const __m512 q_tail = _mm512_maskz_loadu_ps(0x00FF, q + hd16);
-    for (int t = 0; t < 8; ++t)
-      acc[t] = _mm512_fmadd_ps(q_tail, _mm512_maskz_loadu_ps(0x00FF, kb + t * hd + hd16), acc[t]);
-  }
-  return hsum8x8(acc);
-}
-
-// Pass 1 for one pair over keys [b0, e) of the current K super-block (kbuf row 0 = key b0).
-template <int HD>
-void scores_block(const float* q, const float* kbuf, int64_t hd, int64_t b0, int64_t e,
-                  int64_t n, __m256 vscale, float* sc, __m256* vmax_io) {
-  __m256 vmax = *vmax_io;
-  for (int64_t j0 = b0; j0 < e; j0 += 8) {
-    const __m256 s = _mm256_mul_ps(dot8<HD>(q, kbuf + (j0 - b0) * hd, hd), vscale);
-    const int64_t nk = n - j0 < 8 ? n - j0 : 8;
-    if (nk == 8) {
-      _mm256_storeu_ps(sc + j0, s);
-      vmax = _mm256_max_ps(vmax, s);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, s);
-      for (int t = 0; t < nk; ++t) sc[j0 + t] = tmp[t];
-      for (int t = int(nk); t < 8; ++t) tmp[t] = -INFINITY;  // lanes past p: dropped
-      vmax = _mm256_max_ps(vmax, _mm256_load_ps(tmp));
+// kt[d · ldk + t] = K of key t (row row(t), t < nk), exact BF16 -> FP32, for t < round16(nk)
+// (keys nk .. zero): the keys of a block in the lanes. Per 16 keys and 32 dims one 16 x 16
+// transpose of the rows' BF16 pairs (dwords), then each pair's even dim (<< 16) and odd dim (its
+// high half). ldk >= round16(nk), a multiple of 16.
+// Rows ahead[t · stride], t < n_ahead, are prefetched as convert_block does.
+template <class Row>
+void transpose_block(Row&& row, int64_t nk, int64_t hd, float* kt, int64_t ldk,
+                     const uint16_t* ahead = nullptr, int64_t stride = 0, int64_t n_ahead = 0) {
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int64_t t0 = 0; t0 < nk; t0 += 16) {
+    for (int64_t t = t0; t < t0 + 16 && t < n_ahead; ++t) prefetch_row(ahead + t * stride, hd);
+    for (int64_t c = 0; c < hd; c += 32) {
+      const __mmask32 cols = hd - c >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (hd - c)) - 1u);
+      __m512 r[16];
+      for (int64_t t = 0; t < 16; ++t)
+        r[t] = t0 + t < nk ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(cols, row(t0 + t) + c)) : _mm512_setzero_ps();
+      avx512::transpose16(r);  // r[j]: dims c + 2j, c + 2j + 1 of keys t0 .. t0 + 15
+      for (int64_t j = 0; j < 16 && c + 2 * j < hd; ++j) {
+        const __m512i w = _mm512_castps_si512(r[j]);
+        _mm512_storeu_ps(kt + (c + 2 * j) * ldk + t0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        _mm512_storeu_ps(kt + (c + 2 * j + 1) * ldk + t0, _mm512_castsi512_ps(_mm512_and_si512(w, top)));
+      }
     }
   }
-  *vmax_io = vmax;
 }
 
+// Keeps v in a register, so that one load feeds several FMAs: GCC folds a copy of the load into
+// each FMA instead, and twice the loads made the loops load-bound.
+inline void in_register(__m512& v) {
+#ifndef QSPEC_ISA_EMULATION  // an emulated __m512 is not a vector register
+  asm("" : "+v"(v));
+#endif
+}
 
-// Pass 3 for NC·16 columns of one pair over keys [b0, e) of the current V super-block; running
-// sums in accp between super-blocks (one FMA chain per column over keys 0..p).
-template <int NC>
-inline void v_block(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
-                    float* accp) {
-  __m512 acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(accp + c * 16);
-  for (int64_t j = b0; j < e; ++j) {
-    const __m512 wj = _mm512_set1_ps(w[j]);
-    const float* vj = vbuf + (j - b0) * hd;
-    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + c * 16), acc[c]);
+// Scores (unscaled) of P pairs (q rows) x KB blocks of 16 keys (columns kt[d · ldk + 16 kb ..]):
+// per lane one FMA chain over d = 0 .. hd - 1 in order; out[p · KB + kb]. P · KB <= 12 chains in
+// flight (two FMAs a cycle at a latency of 4 need 8).
+template <int P, int KB>
+void scores_t(const float* const* q, const float* kt, int64_t ldk, int64_t hd, __m512* out) {
+  __m512 acc[P][KB];
+  for (int p = 0; p < P; ++p)
+    for (int b = 0; b < KB; ++b) acc[p][b] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < hd; ++d) {
+    __m512 k[KB];
+    for (int b = 0; b < KB; ++b) {
+      k[b] = _mm512_loadu_ps(kt + d * ldk + 16 * b);
+      if constexpr (P > 1) in_register(k[b]);
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m512 qd = _mm512_set1_ps(q[p][d]);
+      for (int b = 0; b < KB; ++b) acc[p][b] = _mm512_fmadd_ps(qd, k[b], acc[p][b]);
+    }
   }
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(accp + c * 16, acc[c]);
+  for (int p = 0; p < P; ++p)
+    for (int b = 0; b < KB; ++b) out[p * KB + b] = acc[p][b];
+}
+
+constexpr int kMaxChains = 12;
+using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, __m512*);
+template <int P, int KB>
+constexpr ScoresFn scores_or_null() {
+  if constexpr (P * KB <= kMaxChains) return scores_t<P, KB>;
+  else return nullptr;
+}
+// kScores[P - 1][KB - 1], P <= 12, KB <= 4, P · KB <= kMaxChains.
+template <int... I>
+constexpr auto scores_table(std::integer_sequence<int, I...>) {
+  return std::array<std::array<ScoresFn, 4>, sizeof...(I)>{
+      {{scores_or_null<I + 1, 1>(), scores_or_null<I + 1, 2>(), scores_or_null<I + 1, 3>(), scores_or_null<I + 1, 4>()}...}};
+}
+constexpr auto kScores = scores_table(std::make_integer_sequence<int, kMaxChains>{});
+
+// Pass 3 for NC·16 columns of NP pairs over keys [j0, e) of the current V super-block (row 0 = key
+// b0); running
+// sums in accp[p] between super-blocks (one FMA chain per column over keys 0..p in order). Two
+// pairs at once share each V load and keep 16 chains in flight (one pair's 8 are at the FMA
+// latency's limit).
+template <int NP, int NC>
+inline void v_block(const float* const* w, const float* vbuf, int64_t hd, int64_t b0, int64_t j0,
+                    int64_t e, float* const* accp) {
+  __m512 acc[NP][NC];
+  for (int p = 0; p < NP; ++p)
+    for (int c = 0; c < NC; ++c) acc[p][c] = _mm512_loadu_ps(accp[p] + c * 16);
+  for (int64_t j = j0; j < e; ++j) {
+    __m512 wj[NP];
+    for (int p = 0; p < NP; ++p) wj[p] = _mm512_set1_ps(w[p][j]);
+    const float* vj = vbuf + (j - b0) * hd;
+    for (int c = 0; c < NC; ++c) {
+      __m512 v = _mm512_loadu_ps(vj + c * 16);
+      if constexpr (NP > 1) in_register(v);
+      for (int p = 0; p < NP; ++p) acc[p][c] = _mm512_fmadd_ps(wj[p], v, acc[p][c]);
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(accp[p] + c * 16, acc[p][c]);
 }
 
 // The last 8 columns when head_dim % 16 == 8 (lanes 8..15 zero).
-inline void v_block8(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t e,
+inline void v_block8(const float* w, const float* vbuf, int64_t hd, int64_t b0, int64_t j0, int64_t e,
                      float* accp) {
   __m512 acc = _mm512_maskz_loadu_ps(0x00FF, accp);
-  for (int64_t j = b0; j < e; ++j)
+  for (int64_t j = j0; j < e; ++j)
     acc = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_maskz_loadu_ps(0x00FF, vbuf + (j - b0) * hd),
                           acc);
   _mm512_mask_storeu_ps(accp, 0x00FF, acc);
@@ -161,16 +206,17 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // (its path, plus < 8 prefix keys) are gathered per row into tbuf. Linear: n_sh = n_max.
   const int64_t n_sh = attn_shared_end(a, n_max);
   const int64_t t0 = n_sh > kbeg ? n_sh : kbeg;
-  const int64_t tb = n_max > t0 ? round8(n_max - t0) : 0;
+  const int64_t tb = n_max > t0 ? round16(n_max - t0) : 0;
   const int64_t sc_stride = round8(n_max) + 16;
   int64_t kb = (4096 / hd) & ~int64_t(7);  // keys per super-block: ~16 KB of FP32
   if (kb < 8) kb = 8;
+  const int64_t ldk = round16(kb);  // the transposed K block's keys
 
-  // Scratch: K/V super-block | scores per pair | V accumulators per pair | running max per pair
-  // | tree tail.
-  float* buf = scratch_floats(kb * hd + np * sc_stride + np * hd + np * 8 + tb * hd + 64);
+  // Scratch: K (transposed) / V super-block | scores per pair | V accumulators per pair | running
+  // max per pair | tree tail.
+  float* buf = scratch_floats(ldk * hd + np * sc_stride + np * hd + np * 8 + tb * hd + 64);
   float* kvbuf = buf;
-  float* scores = kvbuf + kb * hd;
+  float* scores = kvbuf + ldk * hd;
   float* accs = scores + np * sc_stride;
   float* vmaxs = accs + np * hd;
   float* tbuf = vmaxs + np * 8;
@@ -180,8 +226,46 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   auto n_full = [&](int64_t u) { return attn_row_pos(a, row_of(u)) + 1; };  // keys 0..p
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
-  const __m256 vscale = _mm256_set1_ps(a.scale);
   for (int64_t u = 0; u < np; ++u) _mm256_storeu_ps(vmaxs + u * 8, _mm256_set1_ps(-INFINITY));
+
+  // Scores of pairs [ua, ua + P) over the keys of kt (lane t = key k0 + t, t < nk; ldk floats a
+  // dim), · scale, stored at each pair's keys below min(k0 + nk, its n), with its running max.
+  const __m512 vscale = _mm512_set1_ps(a.scale);
+  auto score_group = [&](int64_t ua, int P, const float* kt, int64_t ld, int64_t k0, int64_t nk) {
+    const float* q[kMaxChains];
+    for (int p = 0; p < P; ++p) q[p] = a.q + (row_of(ua + p) * a.n_heads + head_of(ua + p)) * hd;
+    const int kbmax = kMaxChains / P < 4 ? kMaxChains / P : 4;  // 16-key blocks a step
+    for (int64_t c = 0; c < nk; c += 16 * kbmax) {
+      const int KB = int((nk - c + 15) / 16 < kbmax ? (nk - c + 15) / 16 : kbmax);
+      __m512 acc[kMaxChains];
+      kScores[P - 1][KB - 1](q, kt + c, ld, hd, acc);
+      for (int p = 0; p < P; ++p) {
+        const int64_t u = ua + p, n = n_of(u), e = n < k0 + nk ? n : k0 + nk;
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        for (int b = 0; b < KB; ++b) {
+          const int64_t j = k0 + c + 16 * b, live = e - j;  // lanes [0, live): the pair's keys
+          if (live <= 0) break;
+          const __mmask16 mk = live >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1u);
+          const __m512 sv = _mm512_mul_ps(acc[p * KB + b], vscale);
+          _mm512_mask_storeu_ps(scores + u * sc_stride + j, mk, sv);
+          vm = _mm512_mask_max_ps(vm, mk, vm, sv);
+        }
+        const __m256 v8 = _mm256_max_ps(_mm512_castps512_ps256(vm), _mm512_extractf32x8_ps(vm, 1));
+        _mm256_storeu_ps(vmaxs + u * 8, _mm256_max_ps(_mm256_loadu_ps(vmaxs + u * 8), v8));
+      }
+    }
+  };
+  // Pairs [ua, ub) in groups as even as they go: each group x its blocks of 16 keys keeps 8-12
+  // FMA chains in flight (6 pairs x 32 keys, or 3 x 64).
+  const int pmax = int(kMaxChains / ((ldk / 16) < 2 ? 1 : (ldk / 16) < 4 ? 2 : 4));
+  auto score_pairs = [&](int64_t ua, int64_t ub, const float* kt, int64_t ld, int64_t k0, int64_t nk) {
+    const int64_t n = ub - ua, groups = (n + pmax - 1) / pmax;
+    for (int64_t g = 0, u = ua; g < groups; ++g) {
+      const int P = int(n / groups + (g < n % groups ? 1 : 0));
+      score_group(u, P, kt, ld, k0, nk);
+      u += P;
+    }
+  };
 
   // Tree tail of pair u's row: logical keys [t0, n) into tbuf (zero-padded to 8), as the
   // super-block would hold them; once per row (a row's pairs are consecutive).
@@ -198,29 +282,29 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     convert_block(nullptr, stride, 0, round8(n - t0) - (n - t0), hd, tbuf + (n - t0) * hd);
   };
 
-  // Pass 1: stream K once.
+  // Pass 1: stream K once, each block transposed for all pairs.
   for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
     b1 = attn_block_end(a, b0, kb, n_sh);  // within one page
-    convert_block(a.kv.k(a.layer, b0) + kvh * hd, stride, b1 - b0, round8(b1 - b0), hd, kvbuf);
-    for (int64_t u = 0; u < np; ++u) {
-      const int64_t n = n_of(u);
-      const int64_t e = b1 < n ? b1 : n;
-      if (e <= b0) continue;
-      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
-      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
-      scores_block<HD>(q, kvbuf, hd, b0, e, n, vscale, scores + u * sc_stride, &vmax);
-      _mm256_storeu_ps(vmaxs + u * 8, vmax);
-    }
+    const uint16_t* k0 = a.kv.k(a.layer, b0) + kvh * hd;
+    // the next block's K rows (after the last one: the first V block's) on their way meanwhile
+    const int64_t nb0 = b1 < n_sh ? b1 : kbeg, nb1 = attn_block_end(a, nb0, kb, n_sh);
+    const uint16_t* next = (b1 < n_sh ? a.kv.k(a.layer, nb0) : a.kv.v(a.layer, nb0)) + kvh * hd;
+    transpose_block([&](int64_t t) { return k0 + t * stride; }, b1 - b0, hd, kvbuf, ldk, next, stride, nb1 - nb0);
+    int64_t ua = 0;  // pairs whose keys reach this block (a unit's rows are in position order)
+    while (ua < np && n_of(ua) <= b0) ++ua;
+    score_pairs(ua, np, kvbuf, ldk, b0, b1 - b0);
   }
-  if (tb > 0)
-    for (int64_t u = 0; u < np; ++u) {
-      const int64_t n = n_of(u);
-      if (n <= t0) continue;
-      load_tail(u, 0);
-      const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd;
-      __m256 vmax = _mm256_loadu_ps(vmaxs + u * 8);
-      scores_block<HD>(q, tbuf, hd, t0, n, n, vscale, scores + u * sc_stride, &vmax);
-      _mm256_storeu_ps(vmaxs + u * 8, vmax);
+  if (tb > 0)  // each tree row's tail, transposed once for its pairs
+    for (int64_t u = 0; u < np;) {
+      const int64_t r = row_of(u), n = n_of(u);
+      int64_t ue = u;
+      while (ue < np && row_of(ue) == r) ++ue;
+      if (n > t0) {
+        transpose_block([&](int64_t t) { return a.kv.k(a.layer, attn_key_slot(a, r, t0 + t)) + kvh * hd; },
+                        n - t0, hd, tbuf, tb);
+        score_pairs(u, ue, tbuf, tb, t0, n - t0);
+      }
+      u = ue;
     }
 
   // Pass 2: per pair, over its own keys of this segment; Σ and the max go to lanes 0 and 1 of
@@ -236,32 +320,48 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   // Pass 3: stream V once.
   for (int64_t x = 0; x < np * hd; x += 8) _mm256_storeu_ps(accs + x, _mm256_setzero_ps());
-  auto v_keys = [&](int64_t u, const float* vb, int64_t b0, int64_t e) {
-    const float* w = scores + u * sc_stride;
-    float* accp = accs + u * hd;
+  // Pairs u and u + np2 - 1 (np2 = 1 or 2) over keys [j0, e) of vb (row 0 = key b0).
+  auto v_keys = [&](int64_t u, int np2, const float* vb, int64_t b0, int64_t j0, int64_t e) {
+    const float* w[2] = {scores + u * sc_stride, scores + (u + np2 - 1) * sc_stride};
+    float* accp[2] = {accs + u * hd, accs + (u + np2 - 1) * hd};
+    auto step = [&](auto nc, int64_t d) {
+      constexpr int NC = decltype(nc)::value;
+      float* ap[2] = {accp[0] + d, accp[1] + d};
+      if (np2 == 2) v_block<2, NC>(w, vb + d, hd, b0, j0, e, ap);
+      else v_block<1, NC>(w, vb + d, hd, b0, j0, e, ap);
+    };
     int64_t d = 0;
-    for (; d + 128 <= hd; d += 128) v_block<8>(w, vb + d, hd, b0, e, accp + d);
-    if (d + 64 <= hd) v_block<4>(w, vb + d, hd, b0, e, accp + d), d += 64;
-    if (d + 32 <= hd) v_block<2>(w, vb + d, hd, b0, e, accp + d), d += 32;
-    if (d + 16 <= hd) v_block<1>(w, vb + d, hd, b0, e, accp + d), d += 16;
-    if (d + 8 <= hd) v_block8(w, vb + d, hd, b0, e, accp + d);
+    for (; d + 128 <= hd; d += 128) step(std::integral_constant<int, 8>{}, d);
+    if (d + 64 <= hd) step(std::integral_constant<int, 4>{}, d), d += 64;
+    if (d + 32 <= hd) step(std::integral_constant<int, 2>{}, d), d += 32;
+    if (d + 16 <= hd) step(std::integral_constant<int, 1>{}, d), d += 16;
+    for (int p = 0; p < np2 && d + 8 <= hd; ++p) v_block8(w[p], vb + d, hd, b0, j0, e, accp[p] + d);
+  };
+  // Every pair over keys [b0, min(b1, its n)) of vb, two at a time: the keys both have together,
+  // then the longer one's rest (each pair's chains still run over its keys in order).
+  auto v_pairs = [&](const float* vb, int64_t b0, int64_t b1) {
+    auto end_of = [&](int64_t u) { return b1 < n_of(u) ? b1 : n_of(u); };
+    for (int64_t u = 0; u < np; u += 2) {
+      const int64_t e0 = end_of(u), e1 = u + 1 < np ? end_of(u + 1) : b0;
+      const int64_t both = std::max(b0, std::min(e0, e1));  // [b0, both): keys of both pairs
+      if (both > b0) v_keys(u, 2, vb, b0, b0, both);
+      if (e0 > both) v_keys(u, 1, vb, b0, both, e0);
+      if (e1 > both) v_keys(u + 1, 1, vb, b0, both, e1);
+    }
   };
   for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
     b1 = attn_block_end(a, b0, kb, n_sh);
-    convert_block(a.kv.v(a.layer, b0) + kvh * hd, stride, b1 - b0, b1 - b0, hd, kvbuf);
-    for (int64_t u = 0; u < np; ++u) {
-      const int64_t n = n_of(u);
-      const int64_t e = b1 < n ? b1 : n;
-      if (e <= b0) continue;
-      v_keys(u, kvbuf, b0, e);
-    }
+    const int64_t nb1 = b1 < n_sh ? attn_block_end(a, b1, kb, n_sh) : b1;
+    convert_block(a.kv.v(a.layer, b0) + kvh * hd, stride, b1 - b0, b1 - b0, hd, kvbuf,
+                  b1 < n_sh ? a.kv.v(a.layer, b1) + kvh * hd : nullptr, nb1 - b1);
+    v_pairs(kvbuf, b0, b1);
   }
   tail_row = -1;
   if (tb > 0)
     for (int64_t u = 0; u < np; ++u) {
       if (n_of(u) <= t0) continue;
       load_tail(u, 1);
-      v_keys(u, tbuf, t0, n_of(u));
+      v_keys(u, 1, tbuf, t0, t0, n_of(u));
     }
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).
