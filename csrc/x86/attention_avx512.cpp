@@ -8,10 +8,11 @@
 //      each step a load of the keys' dim d and a broadcast of each pair's q[d]: no horizontal
 //      sums, and the loads shared by the pairs. A score depends only on its q and its key's row,
 //      so how keys and pairs are grouped (m, tree tails, partial blocks) never changes its bits.
-//      Against the former per-key 16-lane chains and hadd tree (model-167 Xeon at QSPEC_ISA=
-//      avx512_bf16, 2 threads, Qwen2.5-Coder-1.5B, `qspec bench breakdown --context 2048 / 8192
-//      --ms 1,9`, builds alternated twice): a 9-row verify's attention 20.6-21.5 -> 17.8-18.7 ms
-//      at 2k, 78.8-81.7 -> 64.7-73.3 ms at 8k; one row level (5.1 / 19-20 ms);
+//      With the V pairs and prefetch below, against the former per-key 16-lane chains and hadd
+//      tree (model-167 Xeon at QSPEC_ISA=avx512_bf16, 2 threads, Qwen2.5-Coder-1.5B, `qspec
+//      bench breakdown --context 2048 / 8192 --ms 1,9`, builds alternated twice): a 9-row
+//      verify's attention 19.7-20.3 -> 17.9 ms a step at 2k, 74-82 -> 66-67 ms at 8k; one row
+//      5.0-5.2 -> 4.9 and 18.6-19.9 -> 18.5-18.6 (its K/V reads, not its arithmetic, bound it);
 //   2. exp(s - max) with Σ as 16 lane-wise partial sums over blocks from key 0, then one
 //      horizontal reduction;
 //   3. per output column one FMA chain over keys 0..p in order, then · (1/Σ); two pairs at a
