@@ -155,11 +155,7 @@ inline void copy_bf16(uint16_t* dst, const uint16_t* src, int64_t n) {
   }
 }
 
-// One KV head's part of a cache row (hd BF16 values) into L1 ahead of its staging copy: the
-// staging loops of decode and verify rows are latency-bound on the cache.
-inline void prefetch_row(const uint16_t* row, int64_t hd) {
-  for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
-}
+using avx512::prefetch_row;
 constexpr int64_t kPrefetchKeys = 16;  // K rows prefetched this many keys ahead of the copy
 
 inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n), n clamped to [0, 16]

@@ -63,10 +63,7 @@ inline float* scratch_floats(int64_t n) { return attn_thread_scratch(n); }
 inline int64_t round8(int64_t x) { return (x + 7) & ~int64_t(7); }
 inline int64_t round16(int64_t x) { return (x + 15) & ~int64_t(15); }
 
-// The hd BF16 values of a row on their way into L1 ahead of their block.
-inline void prefetch_row(const uint16_t* row, int64_t hd) {
-  for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
-}
+using avx512::prefetch_row;
 
 // dst[t · hd + d] = src key t (t < nk), exact BF16 -> FP32; keys nk .. nk_pad - 1 zeroed. Rows
 // ahead[t · stride], t < n_ahead (the next block's), are prefetched one per row converted.

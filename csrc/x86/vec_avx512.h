@@ -4,6 +4,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace qspec {
 namespace avx512 {
 
@@ -29,6 +31,12 @@ static inline __m512 exp(__m512 x) {
   const __m512i pow2n = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);  // n in [-126, 127]
   const __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(poly), pow2n));
   return _mm512_maskz_mov_ps(__mmask16(~tiny), y);
+}
+
+// One KV head's part of a cache row (hd BF16 values) into L1 ahead of its use: the attention
+// kernels' copies of decode and verify rows are latency-bound on the cache.
+static inline void prefetch_row(const uint16_t* row, int64_t hd) {
+  for (int64_t b = 0; b < hd * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
 // r[i] = row i of a 16 x 16 matrix of 32-bit values; afterwards r[i] = its column i.
