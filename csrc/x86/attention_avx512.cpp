@@ -22,10 +22,11 @@
 // K and V are streamed in super-blocks (multiple of 8 keys, ~16 KB FP32) converted once (exact)
 // into an FP32 block shared by all pairs of the call (K transposed, V in row order); each pair
 // uses only keys 0..p of it (a partial last block computes lanes for keys it then drops; each
-// lane depends on its own key only). No cache row beyond the call's last row is read. Tree rows (attention.h AttnTree):
-// the keys all rows share (below the prefix, rounded down to 8) are streamed as above, then each
-// row's remaining logical keys are gathered from their slots into an FP32 block of the same form
-// and run through the same functions, continuing the same blocks of 8, max, Σ and V chains.
+// lane depends on its own key only). No cache row beyond the call's last row is read. Tree rows
+// (attention.h AttnTree): the keys all rows share (below the prefix, rounded down to 8) are
+// streamed as above, then each row's remaining logical keys are gathered from their slots into
+// a block of the same form and run through the same functions, continuing the same max, Σ
+// blocks and V chains.
 //
 // tests/test_attention.py checks it against the float64 oracle and for bit-exact batch invariance
 // on AVX-512 hardware (a Sapphire Rapids VM) and under emulation (tests/test_isa_emulation.py).
@@ -153,11 +154,10 @@ constexpr auto scores_table(std::integer_sequence<int, I...>) {
 }
 constexpr auto kScores = scores_table(std::make_integer_sequence<int, kMaxChains>{});
 
-// Pass 3 for NC·16 columns of NP pairs over keys [j0, e) of the current V super-block (row 0 = key
-// b0); running
-// sums in accp[p] between super-blocks (one FMA chain per column over keys 0..p in order). Two
-// pairs at once share each V load and keep 16 chains in flight (one pair's 8 are at the FMA
-// latency's limit).
+// Pass 3 for NC·16 columns of NP pairs over keys [j0, e) of the current V super-block (row 0 =
+// key b0); running sums in accp[p] between super-blocks (one FMA chain per column over keys 0..p
+// in order). Two pairs at once share each V load and keep 16 chains in flight (one pair's 8 are
+// at the FMA latency's limit).
 template <int NP, int NC>
 inline void v_block(const float* const* w, const float* vbuf, int64_t hd, int64_t b0, int64_t j0,
                     int64_t e, float* const* accp) {
@@ -255,7 +255,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   };
   // Pairs [ua, ub) in groups as even as they go: each group x its blocks of 16 keys keeps 8-12
   // FMA chains in flight (6 pairs x 32 keys, or 3 x 64).
-  const int pmax = int(kMaxChains / ((ldk / 16) < 2 ? 1 : (ldk / 16) < 4 ? 2 : 4));
+  const int pmax = int(kMaxChains / std::min<int64_t>(ldk / 16, 4));
   auto score_pairs = [&](int64_t ua, int64_t ub, const float* kt, int64_t ld, int64_t k0, int64_t nk) {
     const int64_t n = ub - ua, groups = (n + pmax - 1) / pmax;
     for (int64_t g = 0, u = ua; g < groups; ++g) {
@@ -288,7 +288,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     const int64_t nb0 = b1 < n_sh ? b1 : kbeg, nb1 = attn_block_end(a, nb0, kb, n_sh);
     const uint16_t* next = (b1 < n_sh ? a.kv.k(a.layer, nb0) : a.kv.v(a.layer, nb0)) + kvh * hd;
     transpose_block([&](int64_t t) { return k0 + t * stride; }, b1 - b0, hd, kvbuf, ldk, next, stride, nb1 - nb0);
-    int64_t ua = 0;  // pairs whose keys reach this block (a unit's rows are in position order)
+    int64_t ua = 0;  // leading pairs with no key in this block are skipped (others: masked per pair)
     while (ua < np && n_of(ua) <= b0) ++ua;
     score_pairs(ua, np, kvbuf, ldk, b0, b1 - b0);
   }
