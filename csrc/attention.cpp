@@ -696,6 +696,7 @@ void bind_attention(py::module_& m) {
       if (attn_supports(p, a)) names.push_back(attn_path_name(p));
     return names;
   }, "Attention paths usable at the selected ISA level (for head_dim a multiple of 8)");
+  m.attr("attn_seg_keys") = kAttnSegKeys;  // the key segments a pair's softmax is normalised by, from key 0
   m.def("set_attn_amx", &set_attn_amx, py::arg("enabled"),
         "Let attention() take the AMX path at the amx level (default True); False: the AVX-512 one. "
         "Returns the previous setting. For A/B runs: set it before loading a model, not between a "

@@ -15,6 +15,9 @@ from qspec import _C
 
 PATHS = _C.attn_paths()
 
+# Paths that round q and the softmax weights to BF16 for their products (csrc/x86/attention_amx.cpp,
+# as BF16 flash attention does); each is checked against the oracle with the same roundings.
+BF16_OPERAND_PATHS = {"amx"}
 # FP32 accumulation over up to ~1000 keys against a float64 oracle; outputs are O(1).
 TOL_F32_VS_F64 = dict(rtol=1e-4, atol=3e-5)
 # Long contexts (tens of thousands of keys) accumulate more FP32 rounding in Σ e_j · V_j.
@@ -59,31 +62,69 @@ def make_q(m, n_heads, head_dim, seed=1, amp=1.0):
     return (amp * rng.standard_normal((m, n_heads, head_dim))).astype(np.float32)
 
 
-def attention_f64(q, kv, layer, start_pos, scale=None, window=0):
+def attention_f64(q, kv, layer, start_pos, scale=None, window=0, bf16_operands=False):
     """Independent oracle: float64 masked softmax attention, GQA by repeating kv heads; window > 0:
-    sliding window (key j visible to position p when p - window < j <= p, as transformers)."""
+    sliding window (key j visible to position p when p - window < j <= p, as transformers).
+
+    bf16_operands: the roundings that define the amx path (BF16_OPERAND_PATHS), nothing of its
+    order: q rounded to BF16 before the scores, and each softmax weight exp(s - m) rounded to BF16,
+    m the max of the key segment it lies in (_C.attn_seg_keys keys from key 0: the unit every
+    kernel normalises by before the segments are merged), Σ over the unrounded weights."""
     m, n_heads, head_dim = q.shape
     kv_heads = kv.shape[3]
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     n = start_pos + m
     k = np.repeat(bf16_bits_to_f64(kv[layer, 0, :n]), n_heads // kv_heads, axis=1)  # [n, H, D]
     v = np.repeat(bf16_bits_to_f64(kv[layer, 1, :n]), n_heads // kv_heads, axis=1)  # [n, H, D]
-    s = scale * np.einsum("ihd,jhd->ihj", q.astype(np.float64), k)  # [m, H, n]
+    q = bf16_bits_to_f64(to_bf16_bits(q)) if bf16_operands else q.astype(np.float64)
+    s = scale * np.einsum("ihd,jhd->ihj", q, k)  # [m, H, n]
     pos = start_pos + np.arange(m)
     s = np.where(np.arange(n)[None, None, :] <= pos[:, None, None], s, -np.inf)
     if window:
         s = np.where(np.arange(n)[None, None, :] > pos[:, None, None] - window, s, -np.inf)
     s -= s.max(axis=-1, keepdims=True)
-    w = np.exp(s)
-    w /= w.sum(axis=-1, keepdims=True)
-    return np.einsum("ihj,jhd->ihd", w, v)
+    if not bf16_operands:
+        w = np.exp(s)
+        w /= w.sum(axis=-1, keepdims=True)
+        return np.einsum("ihj,jhd->ihd", w, v)
+    num, den = 0.0, 0.0
+    for a in range(0, n, _C.attn_seg_keys):
+        seg = s[:, :, a:a + _C.attn_seg_keys]
+        top = seg.max(axis=-1, keepdims=True)  # -inf: the pair attends no key of this segment
+        live = np.isfinite(top)
+        top = np.where(live, top, 0.0)
+        w = np.exp(seg - top)
+        w_bf16 = bf16_bits_to_f64(to_bf16_bits(w.astype(np.float32)))
+        f = np.where(live, np.exp(top), 0.0)
+        num = num + f * np.einsum("ihj,jhd->ihd", w_bf16, v[a:a + _C.attn_seg_keys])
+        den = den + f * w.sum(axis=-1, keepdims=True)
+    return num / den
 
 
-@functools.lru_cache(maxsize=None)
-def oracle(shape_name, m, start_pos):
+def expected(path, q, kv, layer, start_pos, scale=None, window=0):
+    """The oracle for `path`: with its operand roundings (attention_f64)."""
+    return attention_f64(q, kv, layer, start_pos, scale, window, bf16_operands=path in BF16_OPERAND_PATHS)
+
+
+def assert_matches(path, got, want, kv, tol=TOL_F32_VS_F64):
+    """got [m, H, D] against its oracle `want` (expected). A BF16-operand path rounds FP32
+    exponentials where the oracle rounds float64 ones, so a weight near a rounding boundary may
+    land one BF16 step (2^-8 of itself) away; that moves its pair's outputs by at most 2^-8 ·
+    max|V| and happens to few pairs: those get that bound, at least 95% of pairs must be within
+    `tol` (model-167 Xeon, test_matches_float64's cases: at most 1.5% of pairs off, by 2e-3 at most)."""
+    if path not in BF16_OPERAND_PATHS:
+        np.testing.assert_allclose(got, want, **tol)
+        return
+    exact = np.isclose(got, want, **tol).all(axis=-1)  # [m, H]: pairs within the FP32 tolerance
+    assert exact.mean() >= 0.95, f"{(~exact).sum()} of {exact.size} pairs off by more than FP32 rounding"
+    v_max = np.abs(bf16_bits_to_f64(kv[:, 1])).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol["atol"] + 2.0**-8 * v_max)
+
+
+def oracle(path, shape_name, m, start_pos):
     n_heads, kv_heads, head_dim = SHAPES[shape_name]
     q = make_q(m, n_heads, head_dim)
-    return q, attention_f64(q, make_cache(kv_heads, head_dim), 1, start_pos)
+    return q, expected(path, q, make_cache(kv_heads, head_dim), 1, start_pos)
 
 
 def bits(x):
@@ -103,10 +144,11 @@ def threads():
 
 def _check_vs_oracle(path, shape_name, m, start_pos):
     n_heads, kv_heads, head_dim = SHAPES[shape_name]
-    q, expect = oracle(shape_name, m, start_pos)
-    got = _C.attention(q, make_cache(kv_heads, head_dim), 1, start_pos, path=path)
+    q, expect = oracle(path, shape_name, m, start_pos)
+    kv = make_cache(kv_heads, head_dim)
+    got = _C.attention(q, kv, 1, start_pos, path=path)
     assert got.dtype == np.float32 and got.shape == (m, n_heads, head_dim)
-    np.testing.assert_allclose(got, expect, **TOL_F32_VS_F64)
+    assert_matches(path, got, expect, kv)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -143,7 +185,7 @@ def test_awkward_head_dims(path, head_dim, heads):
     kv = make_cache(kv_heads, head_dim)
     q = make_q(7, n_heads, head_dim)
     got = _C.attention(q, kv, 0, 15, path=path)
-    np.testing.assert_allclose(got, attention_f64(q, kv, 0, 15), **TOL_F32_VS_F64)
+    assert_matches(path, got, expected(path, q, kv, 0, 15), kv)
 
 
 def test_ref_any_head_dim():
@@ -163,7 +205,7 @@ def test_custom_scale_and_large_scores(path):
     for scale in [None, 0.37]:
         got = _C.attention(q, kv, 1, 50, scale=scale, path=path)
         assert np.isfinite(got).all()
-        np.testing.assert_allclose(got, attention_f64(q, kv, 1, 50, scale), **TOL_F32_VS_F64)
+        assert_matches(path, got, expected(path, q, kv, 1, 50, scale), kv)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -171,10 +213,10 @@ def test_last_position_of_cache(path):
     kv = make_cache(3, 64, max_seq=200)
     q = make_q(9, 9, 64)
     got = _C.attention(q, kv, 1, 200 - 9, path=path)
-    np.testing.assert_allclose(got, attention_f64(q, kv, 1, 200 - 9), **TOL_F32_VS_F64)
+    assert_matches(path, got, expected(path, q, kv, 1, 200 - 9), kv)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [p for p in PATHS if p not in BF16_OPERAND_PATHS])  # those: their oracle
 def test_fast_paths_close_to_ref(path):
     kv = make_cache(3, 64)
     q = make_q(9, 9, 64)
@@ -201,7 +243,7 @@ def test_long_context(path):
     kv = make_cache(3, 64, max_seq=max_seq)
     q = make_q(3, 9, 64, amp=3.0)
     got = _C.attention(q, kv, 1, max_seq - 3, path=path)
-    np.testing.assert_allclose(got, attention_f64(q, kv, 1, max_seq - 3), **TOL_F32_VS_F64_LONG)
+    assert_matches(path, got, expected(path, q, kv, 1, max_seq - 3), kv, TOL_F32_VS_F64_LONG)
 
 
 # ------------------------------------------------------------------ batch invariance (bit-exact)
@@ -351,7 +393,7 @@ def test_every_head_of_a_group_is_computed(path, threads):
     for t in [1, 2, 3]:
         threads(t)
         got = _C.attention(q, kv, 1, 40, path=path)
-        np.testing.assert_allclose(got, attention_f64(q, kv, 1, 40), **TOL_F32_VS_F64)
+        assert_matches(path, got, expected(path, q, kv, 1, 40), kv)
         for h in range(n_heads):  # changing one head's q changes no other head's output
             q2 = q.copy()
             q2[:, h] = make_q(5, 1, head_dim, seed=50 + h)[:, 0]
@@ -460,7 +502,7 @@ def test_sliding_window_matches_float64_and_is_batch_invariant(path, shape, wind
     n_heads, kv_heads, hd = shape
     q, kv = make_q(m, n_heads, hd), make_cache(kv_heads, hd)
     got = _C.attention(q, kv, 1, start_pos, path=path, window=window)
-    np.testing.assert_allclose(got, attention_f64(q, kv, 1, start_pos, window=window), **TOL_F32_VS_F64)
+    assert_matches(path, got, expected(path, q, kv, 1, start_pos, window=window), kv)
     for i in {0, m // 2, m - 1}:
         alone = _C.attention(q[i:i + 1], kv, 1, start_pos + i, path=path, window=window)
         assert np.array_equal(bits(got[i]), bits(alone[0])), (path, window, start_pos, i)
@@ -473,7 +515,7 @@ def test_window_wider_than_the_context_changes_no_bit(path, shape):
     q, kv = make_q(17, n_heads, hd), make_cache(kv_heads, hd)
     want = _C.attention(q, kv, 1, 500, path=path)
     assert np.array_equal(bits(_C.attention(q, kv, 1, 500, path=path, window=517)), bits(want))
-    np.testing.assert_allclose(want, attention_f64(q, kv, 1, 500), **TOL_F32_VS_F64)  # head_dim 256 too
+    assert_matches(path, want, expected(path, q, kv, 1, 500), kv)  # head_dim 256 too
 
 
 # ------------------------------------------------------------------ paged cache

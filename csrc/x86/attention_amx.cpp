@@ -93,41 +93,28 @@
 namespace qspec {
 namespace {
 
-constexpr int kQParts = 3;         // q = hi + mid + lo, exactly (the q-parts loop below)
-constexpr int kWParts = 2;         // a softmax weight = hi + mid, to 17 bits (split2x32)
 constexpr int64_t kTile = 16;      // rows of every tile; keys of a score block
 constexpr int64_t kVKeys = 32;     // keys of a value block (one A tile row of BF16)
 constexpr int64_t kTileElems = 512;  // BF16 elements of one 16 x 64-byte tile
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// x = hi + mid: hi the top 16 bits of x (truncation: x - hi is exact in FP32), mid that remainder
-// rounded to BF16 (nearest even), so hi + mid is x to 17 significant bits (|error| <= 2^-17 |x|).
-// The split of 32 values r0 (keys 0-15), r1 (16-31): part p (hi, mid) to dst[p · part_stride + 0 ..
-// 32), a row of that part's A tile.
-inline void split2x32(__m512 r0, __m512 r1, uint16_t* dst, int64_t part_stride) {
-  alignas(64) static const uint16_t kHighWords[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
-                                                      23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
-                                                      45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-  const __m512i idx = _mm512_load_si512(kHighWords), top = _mm512_set1_epi32(int(0xFFFF0000u));
-  const __m512i b0 = _mm512_castps_si512(r0), b1 = _mm512_castps_si512(r1);
-  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(b0, idx, b1));  // hi: the high halves
-  // the remainders (exact), rounded to nearest even by VCVTNE2PS2BF16; it reads a denormal
-  // remainder as 0 (x below 2^-119), where TDPBF16PS would flush the BF16 part anyway
-  const __m512i d0 = _mm512_castps_si512(_mm512_sub_ps(r0, _mm512_castsi512_ps(_mm512_and_si512(b0, top))));
-  const __m512i d1 = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(_mm512_and_si512(b1, top))));
-  const __m512bh mid = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(d1), _mm512_castsi512_ps(d0));  // keys 0-15 low
-  std::memcpy(dst + part_stride, &mid, 64);
+// 32 softmax weights r0 (keys 0-15), r1 (16-31) rounded to BF16 (nearest even, VCVTNE2PS2BF16:
+// a denormal weight, below 2^-126, becomes 0, as TDPBF16PS would flush it) into dst[0 .. 32), a
+// row of the weights' A tile.
+inline void round32(__m512 r0, __m512 r1, uint16_t* dst) {
+  const __m512bh w = _mm512_cvtne2ps_pbh(r1, r0);  // keys 0-15 in the low half
+  std::memcpy(dst, &w, 64);
 }
 // The same for x[0 .. e) (e <= 32; zeros from e); x is only read when e > 0.
-inline void split2x32(const float* x, int64_t e, uint16_t* dst, int64_t part_stride) {
+inline void round32(const float* x, int64_t e, uint16_t* dst) {
   const __mmask16 m0 = e >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (e > 0 ? e : 0)) - 1u);
   const __mmask16 m1 = e >= 32 ? __mmask16(0xFFFF) : e <= 16 ? __mmask16(0) : __mmask16((1u << (e - 16)) - 1u);
-  split2x32(_mm512_maskz_loadu_ps(m0, x), _mm512_maskz_loadu_ps(m1, x + 16), dst, part_stride);
+  round32(_mm512_maskz_loadu_ps(m0, x), _mm512_maskz_loadu_ps(m1, x + 16), dst);
 }
 
 // Softmax weights exp(x - max) = 2^t, t = (x - max) · log2(e) = n + f (n nearest, |f| <= 1/2): 2^f
-// by its degree-6 Taylor polynomial (relative error < 2^-22, below the 17 bits split2x32 keeps)
+// by its degree-6 Taylor polynomial (relative error < 2^-22, far below the weight's BF16 rounding)
 // scaled by 2^n with vscalefps (12 vector operations against avx512::exp's 18 and a subtraction).
 // Lanes outside `live`, a NaN and x - max < -87 give 0: a masked key (-inf) weighs nothing, and
 // no weight is denormal (AMX would flush it).
@@ -171,24 +158,18 @@ using detail::amx::unrolled;
 constexpr int64_t kStageKeys = 64;  // keys staged per score step: up to 4 key blocks in tiles at once
 
 // Scores Sᵀ of KB staged key blocks (16 keys each, from ks) x one tile block b of pairs into the
-// C tiles 0 .. KB-1, stored to ct (256 floats each, tile kb). Per 32-column chunk c the q parts
-// lo, mid, hi of the block stay in B tiles 5-7 and each key block's K chunk (A, tile 4) is loaded
-// once for its three TDPBF16PS: every C tile sums chunk by chunk, each chunk's parts lo, mid, hi
-// (the small ones first). A C tile's sums never depend on the other tiles in flight.
+// C tiles 0 .. KB-1, stored to ct (256 floats each, tile kb). Per 32-column chunk c the block's
+// q (B, tile 7) feeds each key block's K chunk (A, tile 4): every C tile sums chunk by chunk in
+// column order. A C tile's sums never depend on the other tiles in flight.
 template <int KB>
 void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b, int64_t nch, float* ct) {
   static_assert(KB >= 1 && KB <= 4, "4 C tiles");
   unrolled<KB>([](auto t) { tile_zero<decltype(t)::value>(); });
   for (int64_t c = 0; c < nch; ++c) {
-    const uint16_t* q = qb + (b * nch + c) * kQParts * kTileElems;  // parts hi, mid, lo
-    tile_load<5>(q + 2 * kTileElems, 64);
-    tile_load<6>(q + kTileElems, 64);
-    tile_load<7>(q, 64);
+    tile_load<7>(qb + (b * nch + c) * kTileElems, 64);
     unrolled<KB>([&](auto kb) {
       constexpr int K = decltype(kb)::value;
       tile_load<4>(ks + K * kTile * hdp + c * 32, hdp * 2);
-      tile_dpbf16<K, 4, 5>();
-      tile_dpbf16<K, 4, 6>();
       tile_dpbf16<K, 4, 7>();
     });
   }
@@ -199,9 +180,8 @@ void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b,
 }
 
 // V sums of NC column tiles (C tiles 0 .. NC-1, one chain each: chain_begin, chain_blocks ...,
-// chain_end). A block's weight parts lo, mid, hi stay in A tiles 4-6 (ws[part][16 pairs][width]
-// BF16, block jb at column 32 jb) and each column's B tile (7: vs + jb · vblock + c · 512) is
-// loaded once for its three TDPBF16PS (a tile load costs about what a TDPBF16PS does).
+// chain_end). A block's weights stay in A tile 4 (ws[16 pairs][width] BF16, block jb at column
+// 32 jb) for the NC columns' B tiles (7: vs + jb · vblock + c · 512), one TDPBF16PS each.
 template <int NC>
 void chain_begin() {
   static_assert(NC >= 1 && NC <= 4, "4 C tiles");
@@ -209,16 +189,12 @@ void chain_begin() {
 }
 template <int NC>
 void chain_blocks(const uint16_t* ws, int64_t width, int64_t nb, const uint16_t* vs, int64_t vblock) {
-  const int64_t part = kTile * width;
   for (int64_t jb = 0; jb < nb; ++jb) {
-    const uint16_t* w = ws + jb * kVKeys;
-    tile_load<4>(w + part, width * 2);  // mid
-    tile_load<5>(w, width * 2);         // hi
+    tile_load<4>(ws + jb * kVKeys, width * 2);
     unrolled<NC>([&](auto c) {
       constexpr int C = decltype(c)::value;
       tile_load<7>(vs + jb * vblock + C * kTileElems, 64);
       tile_dpbf16<C, 4, 7>();
-      tile_dpbf16<C, 5, 7>();
     });
   }
 }
@@ -249,16 +225,16 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // Scores are kept per segment: key j of a pair at scores[u * sc_stride + j - kbeg].
   const int64_t sc_stride = kAttnSegKeys + 16;
 
-  // Scratch (64-byte aligned regions): q parts as B tiles [block][chunk][part] | scores [pairs]
+  // Scratch (64-byte aligned regions): q as B tiles [block][chunk] | scores [pairs]
   // [segment keys] | V sums [pairs][hdp] | max, Σ per pair | 4 C tiles | running max lanes
   // [pairs][16] | staged K [kStageKeys][hdp] | staged V [segment blocks + 1][hdp / 16 tiles] |
-  // weight parts [part][16 pairs][segment keys] + one tree block [part][16 pairs][32 keys] | keys
+  // weights [16 pairs][segment keys] + one tree block [16 pairs][32 keys] | keys
   // per pair (int32). Every size depends on the unit's pairs only, not on the segment, so a unit
-  // that continues (part.unit_continues) finds its q parts where it left them.
+  // that continues (part.unit_continues) finds its q tiles where it left them.
   const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
                 f_vmax = round_up(np, 16);  // a vector per tile block
-  const int64_t h_q = nblk * nch * kQParts * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
-                h_w = kWParts * kTile * (kAttnSegKeys + kVKeys);
+  const int64_t h_q = nblk * nch * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
+                h_w = kTile * (kAttnSegKeys + kVKeys);
   float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
   uint16_t* qb = reinterpret_cast<uint16_t*>(buf);
   float* scores = buf + h_q / 2;  // h_q is a multiple of 512
@@ -280,40 +256,26 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
   detail::amx::configure_16x64();
 
-  // q parts as B tiles: B[r][pair][i] = part of q_pair[32c + 2r + i] (split3's parts, the
-  // truncations of the remainder); padding pairs and columns zero. Per tile block and 32-column
-  // chunk: each pair's part as 16 dwords (dims 2r, 2r + 1), the 16 x 16 dwords transposed into
-  // the tile's rows r.
-  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
-  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  // q as B tiles: B[r][pair][i] = q_pair[32c + 2r + i] rounded to BF16; padding pairs and
+  // columns zero. Per tile block and 32-column chunk: each pair's 32 dims rounded in order are its
+  // 16 dwords (dims 2r, 2r + 1), the 16 x 16 dwords transposed into the tile's rows r.
   for (int64_t b = 0; b < nblk && !part.unit_continues; ++b)
     for (int64_t c = 0; c < nch; ++c) {
-      __m512 x0[kTile], x1[kTile];  // each pair's dims 32c .. 32c + 15, + 16 .. 31 (remainders)
+      __m512 r[kTile];
       for (int64_t pr = 0; pr < kTile; ++pr) {
         const int64_t u = b * kTile + pr;
         if (u >= np) {
-          x0[pr] = x1[pr] = _mm512_setzero_ps();
+          r[pr] = _mm512_setzero_ps();
           continue;
         }
         const float* q = a.q + (row_of(u) * a.n_heads + head_of(u)) * hd + c * 32;
-        x0[pr] = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32), q);
-        x1[pr] = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32 - 16), q + 16);
+        const __m512 x0 = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32), q);
+        const __m512 x1 = _mm512_maskz_loadu_ps(first_lanes(hd - c * 32 - 16), q + 16);
+        r[pr] = __m512(_mm512_cvtne2ps_pbh(x1, x0));
       }
-      for (int p = 0; p < kQParts; ++p) {
-        __m512 r[kTile];
-        for (int64_t pr = 0; pr < kTile; ++pr) {
-          const __m512i h0 = _mm512_and_si512(_mm512_castps_si512(x0[pr]), top);
-          const __m512i h1 = _mm512_and_si512(_mm512_castps_si512(x1[pr]), top);
-          const __m512i lo = _mm512_srli_epi32(_mm512_permutex2var_epi32(h0, evens, h1), 16);
-          r[pr] = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_permutex2var_epi32(h0, odds, h1)));
-          x0[pr] = _mm512_sub_ps(x0[pr], _mm512_castsi512_ps(h0));
-          x1[pr] = _mm512_sub_ps(x1[pr], _mm512_castsi512_ps(h1));
-        }
-        avx512::transpose16(r);
-        uint16_t* dst = qb + ((b * nch + c) * kQParts + p) * kTileElems;
-        for (int64_t rr = 0; rr < kTile; ++rr) _mm512_storeu_ps(reinterpret_cast<float*>(dst + rr * 2 * kTile), r[rr]);
-      }
+      avx512::transpose16(r);
+      uint16_t* dst = qb + (b * nch + c) * kTileElems;
+      for (int64_t rr = 0; rr < kTile; ++rr) _mm512_storeu_ps(reinterpret_cast<float*>(dst + rr * 2 * kTile), r[rr]);
     }
   for (int64_t b = 0; b < nblk; ++b) _mm512_storeu_ps(vmax + b * 16, _mm512_set1_ps(-INFINITY));
   if (hdp != hd) std::memset(kst, 0, size_t(h_k) * 2);  // columns hd .. hdp stay zero
@@ -444,9 +406,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     stage_v(vst + jb * vblock, nk, [&](int64_t t) { return a.kv.v(a.layer, j0 + t) + kvh * hd; });
   }
   uint16_t* const vown = vst + nsb * vblock;
-  // Weight parts of tile block b's pairs that `want`, keys [j0, j0 + 32 · nb) (others zero), as
-  // nb blocks side by side: ws[part][16 pairs][nb · 32 keys].
-  auto split_weights = [&](uint16_t* ws, int64_t j0, int64_t nb, int64_t b, auto&& want) {
+  // Weights of tile block b's pairs that `want`, keys [j0, j0 + 32 · nb) (others zero), as nb
+  // blocks side by side: ws[16 pairs][nb · 32 keys].
+  auto round_weights = [&](uint16_t* ws, int64_t j0, int64_t nb, int64_t b, auto&& want) {
     const int64_t w = nb * kVKeys;
     for (int64_t pr = 0; pr < kTile; ++pr) {
       const int64_t u = b * kTile + pr;
@@ -454,13 +416,13 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       for (int64_t jb = 0; jb < nb; ++jb) {
         const int64_t j = j0 + jb * kVKeys, left = live ? n_of(u) - j : 0;
         const int64_t e = left <= 0 ? 0 : left < kVKeys ? left : kVKeys;
-        split2x32(scores + u * sc_stride + j - kbeg, e, ws + pr * w + jb * kVKeys, kTile * w);
+        round32(scores + u * sc_stride + j - kbeg, e, ws + pr * w + jb * kVKeys);
       }
     }
   };
-  // Tile block by tile block: the weight parts of its shared blocks, then per group of up to 4
-  // column tiles one chain through the shared blocks and, for tree rows, each row's own blocks.
-  uint16_t* const wown = wst + kWParts * kTile * kAttnSegKeys;  // one own block: [part][16][32]
+  // Tile block by tile block: the weights of its shared blocks, then per group of up to 4 column
+  // tiles one chain through the shared blocks and, for tree rows, each row's own blocks.
+  uint16_t* const wown = wst + kTile * kAttnSegKeys;  // one own block: [16][32]
   const int64_t ws_width = nsb * kVKeys;
   auto chain = [&](auto nc_const, int64_t b, int64_t c) {
     constexpr int NC = decltype(nc_const)::value;
@@ -469,22 +431,22 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     tree_blocks(kVKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
       if (b < b0 || b >= b1) return;
       stage_v(vown, nk, [&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd; });
-      split_weights(wown, j0, 1, b, mine);
+      round_weights(wown, j0, 1, b, mine);
       chain_blocks<NC>(wown, kVKeys, 1, vown + c * kTileElems, vblock);
     });
     chain_end<NC>(accs + b * kTile * hdp + c * 16, hdp);
   };
   // Pass 2's exponentials, a tile block at a time right before its chains: each pair's weights
-  // of the shared blocks go straight into their A-tile parts (ws[part][16 pairs][32 · nsb keys],
-  // keys a pair does not attend 0), Σ in key order 16 keys at a time; a tree row's own keys past
-  // them are exponentiated in place, for their blocks' split in the chains.
+  // of the shared blocks go straight into their A tile, rounded (ws[16 pairs][32 · nsb keys], keys
+  // a pair does not attend 0), Σ of the unrounded weights in key order 16 keys at a time; a tree
+  // row's own keys past them are exponentiated in place, for their blocks' rounding in the chains.
   auto weights_block = [&](int64_t b) {
     const int64_t w = nsb * kVKeys;
     for (int64_t pr = 0; pr < kTile; ++pr) {
       const int64_t u = b * kTile + pr;
       uint16_t* const ws = wst + pr * w;
       if (u >= np || n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) {  // no key here
-        for (int64_t j = 0; j < w; j += kVKeys) split2x32(_mm512_setzero_ps(), _mm512_setzero_ps(), ws + j, kTile * w);
+        for (int64_t j = 0; j < w; j += kVKeys) round32(_mm512_setzero_ps(), _mm512_setzero_ps(), ws + j);
         continue;
       }
       float* const sc = scores + u * sc_stride;  // key kbeg
@@ -497,7 +459,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
         const __m512 e0 = softmax_exp(_mm512_maskz_loadu_ps(l0, sc + j), vm, l0);
         const __m512 e1 = softmax_exp(_mm512_maskz_loadu_ps(l1, sc + j + 16), vm, l1);
         vsum = _mm512_add_ps(_mm512_add_ps(vsum, e0), e1);
-        split2x32(e0, e1, ws + j, kTile * w);
+        round32(e0, e1, ws + j);
       }
       for (int64_t j = w; j < n; j += kTile) {  // a tree row's own keys
         const __mmask16 l = first_lanes(n - j);
