@@ -2,33 +2,36 @@
 // on tiles (attention.h's driver, segments and partials are unchanged). Same three passes as
 // attention_avx512.cpp; what differs is how the two products are summed.
 //
-// BF16 operands. K and V are BF16 already. A q element (FP32) is split q = hi + mid + lo into
-// three BF16 values by truncation (each remainder is exact in FP32 and the last one has at most 8
-// significant bits), so each score product TDPBF16PS forms is exact and only the FP32 sums round,
-// as on the FMA paths: scores in the hundreds (a q of amplitude 30) stay within the FMA paths'
-// error. A softmax weight w (in [0, 1]) is split w = hi + mid: hi its truncation to BF16, mid the
-// exact remainder rounded to nearest (split2x32), so hi + mid is w to 17 significant bits (relative
-// error <= 2^-17, ~1e-5 in an output: far below the BF16 rounding of the V rows it weighs, and
-// within the float64 oracle's tolerance). The third weight part cost a third of the V pass's
-// TDPBF16PS and split work: an 8,192-row prefill 1.06-1.23x faster without it in three
-// alternations, 1.08x by the medians (model-167 AMX Xeon, 2 threads, `qspec bench attention
-// --contexts 2048,8192 --ms 9 --prefill --paths amx`).
-// AMX flushes BF16 denormals: parts below 2^-126 are lost.
+// BF16 operands, as BF16 flash attention has them (PyTorch's CPU kernel, transformers in BF16):
+// K and V are BF16 already; each q element (FP32) and each softmax weight w = exp(s - m) (FP32,
+// m the max of the pair's keys in this segment) are rounded to nearest BF16 for the products, and
+// TDPBF16PS sums them in FP32; Σ w (the normaliser) is summed from the unrounded weights. What it
+// costs: a weight's rounding moves an output by at most 2^-9 · max|V| (the V rows are BF16
+// already, 2^-9 each), q's moves the scores by about 2^-9 of Σ|q_d · k_d| (a q of amplitude 30,
+// scores in the hundreds: up to ~1% in an output). Against the float64 oracle over random caches
+// (tests/test_attention.py models these roundings) the outputs are otherwise FP32-exact. Qwen2.5-
+// Coder-1.5B's final logits against transformers in FP32 (14 prompts of 35-3,000 tokens, model-167
+// Xeon): max |Δ| median 0.069 / max 0.089, against 0.066 / 0.096 with q and w kept to 24 and 17
+// bits (three and two BF16 parts, the previous version of this file), the argmax the same for
+// all: the BF16 cache and the BF16 activations of the GEMMs (gemm.h) dominate. Both products need
+// a third and a half of the TDPBF16PS, tile loads and split work they took with parts: an 8,192-
+// row prefill's attention 1.44-1.47x faster (`_C.attention` over a synthetic cache, the last 2,048
+// rows of 8,192, 2 threads, builds alternated). The FMA paths (avx2, avx512) keep FP32 q and
+// weights. AMX flushes BF16 denormals (VCVTNE2PS2BF16 reads FP32 denormals as 0): weights below
+// 2^-126 are lost.
 //
-//   scores  Sᵀ[key][pair] = Σ_c Σ_part K[key][32c ..] · q_part[pair][32c ..]: A = 16 keys × 32
-//           columns of K (staged BF16 rows), B = the pairs' q parts (VNNI pairs of columns),
-//           C = 16 keys × 16 pairs; chunks c of 32 columns in order, each chunk's parts lo, mid,
-//           hi (the small ones first). A score depends on its q and its key's row only (never on
-//           which keys or pairs share a tile), so key blocks may start anywhere.
-//   values  out[pair][col] = Σ_blocks Σ_part w_part[pair][32 keys] · V[32 keys][col]: A = 16 pairs
-//           × a 32-key block of the weights' parts, B = the block's V rows as VNNI key pairs,
-//           C = 16 pairs × 16 columns, ONE chain per element through the segment: blocks of 32
-//           keys counted from key 0 in key order, each block's parts mid, hi. Keys a pair
-//           does not attend carry weight 0 (exact zero products), and adding zero products leaves
-//           a C element as it is: TDPBF16PS flushes denormal results (inputs too), so a C element
-//           is never denormal and never -0 (checked on the hardware: a -2^-140 product gives +0).
-//           So a pair's sums are those of its own blocks, whatever pairs share its tile and
-//           however far their keys run.
+//   scores  Sᵀ[key][pair] = Σ_c K[key][32c ..] · q[pair][32c ..]: A = 16 keys × 32 columns of K
+//           (staged BF16 rows), B = the pairs' q (VNNI pairs of columns), C = 16 keys × 16 pairs;
+//           chunks c of 32 columns in order. A score depends on its q and its key's row only
+//           (never on which keys or pairs share a tile), so key blocks may start anywhere.
+//   values  out[pair][col] = Σ_blocks w[pair][32 keys] · V[32 keys][col]: A = 16 pairs × a 32-key
+//           block of the weights, B = the block's V rows as VNNI key pairs, C = 16 pairs × 16
+//           columns, ONE chain per element through the segment: blocks of 32 keys counted from
+//           key 0 in key order. Keys a pair does not attend carry weight 0 (exact zero
+//           products), and adding zero products leaves a C element as it is: TDPBF16PS flushes
+//           denormal results (inputs too), so a C element is never denormal and never -0
+//           (checked on the hardware: a -2^-140 product gives +0). So a pair's sums are those of
+//           its own blocks, whatever pairs share its tile and however far their keys run.
 // Each C row reads only its own A row (the SDM's TDPBF16PS), so a pair's bits do not depend on
 // m, the other pairs of its tile, the thread count or how the driver grouped pairs: the batch
 // invariance of attention.h holds, and the choice of this path depends on the ISA level only
@@ -38,28 +41,24 @@
 // linear row's at its position.
 //
 // Tiles and the vector work around them. A tile load costs about what a TDPBF16PS does (more
-// from L2), so operands are reused across the parts: scores hold a chunk's three q parts in B
-// tiles 5-7 while each of up to 4 key blocks' K chunk (A, tile 4) feeds its C tile three
-// TDPBF16PS; values hold a block's two weight parts in A tiles 4-5 while each of 4 column tiles'
-// V (B, tile 7) feeds two. Per unit (driver's run_chunk_units) the q parts are built
-// once for all its segments (16 pairs at a time, a 16 x 16 dword transpose into the B layout);
-// scores and weights are kept per segment; a score tile is transposed back so each pair's 16
-// scores are one vector (scale, masked store, running max in 16 lanes); the weights are split
-// 32 keys per vector step. A block's weight parts for the whole segment are split before its
-// chains, and V of the segment's blocks is staged once for all tile blocks.
+// from L2): scores hold a chunk's q in B tile 7 for up to 4 key blocks' K chunks (A, tile 4);
+// values hold a block's weights in A tile 4 for 4 column tiles' V (B, tile 7). Per unit (driver's
+// run_chunk_units) q is rounded into B tiles once for all its segments (16 pairs at a time, a
+// 16 x 16 dword transpose into the B layout); scores and weights are kept per segment; a score
+// tile is transposed back so each pair's 16 scores are one vector (scale, masked store, running
+// max in 16 lanes); the weights are rounded 32 keys per vector step. A block's weights for the
+// whole segment are made before its chains, and V of the segment's blocks is staged once for
+// all tile blocks.
 //
 // Checked against the float64 oracle, for batch invariance and tree == linear rows on a Sapphire
 // Rapids VM and under emulation (tests/test_isa_emulation.py). Speed there (`qspec bench
 // attention --contexts 2048,8192 --ms 1,16 --prefill --paths avx512,amx`, 2 threads,
 // Qwen2.5-Coder-1.5B's 12/2 heads of 128, read bandwidth ~30 GB/s): see the README's long-prompt
-// section for the current figures. One BF16 part for q and the weights (rounded) measured 1.5x
-// faster at 8k on the model-167 Xeon, but a BF16 q moves scores in the hundreds by ~1e-3 and BF16
-// weights move outputs by ~2e-3: not kept (the FMA paths' accuracy is the bar). Tried and
-// measured no faster, so not kept: K read in
+// section for the current figures. Tried and measured no faster, so not kept: K read in
 // place from the cache, prefetching the next work unit's K/V during this unit's tile and vector
 // work (4-15% slower for decode rows), extracting one group's score tiles while the next
 // group's TDPBF16PS run (2 x 4 C tile buffers), scores as pairs x
-// keys (q parts as A rows, K transposed into B tiles when staged, no score transposes; the same
+// keys (q as A rows, K transposed into B tiles when staged, no score transposes; the same
 // bits: level at 2k, 4% slower at 8k, 15% slower for one decode row). Decode and verify
 // rows wait on the cache rows their staging copies read (perf: ~75% of one row's kernel at 8k
 // keys): K rows are prefetched 16 keys ahead of the copy and V rows one 32-key block ahead
@@ -67,19 +66,23 @@
 // are 384 pairs (attention.cpp, kAttnUnitPairsAmx): perf of an 8,192-row prefill with 96 showed a
 // sixth of the time in the K staging copy and its prefetches (K/V of a layer re-read from L3 by
 // every unit). The exponentials (softmax_exp: 2^t by vscalefps) run per tile block right before
-// its chains, fused with the split into weight parts (no FP32 weights stored and re-read); with the
+// its chains, fused with their rounding to BF16 (no FP32 weights stored and re-read); with the
 // score extraction reading its bounds through locals, an 8,192-row prefill's attention ran
 // 1.12-1.18x faster (model-167 Xeon, 2 threads, one layer's `_C.attention` call, alternating
 // builds). Knocking the exponentials out of a throwaway build took another 15% off: the vector
-// work is on the critical path beside the tiles. The weights' mid parts rounded by
-// VCVTNE2PS2BF16 instead of integer operations: the same bits, 1.02-1.06x. Tried and no faster:
-// making the next tile block's weights a pair at a time between this block's V blocks (the
-// exponentials interleaved with the TDPBF16PS they could overlap), and the segment fold's V
-// sums in 512-bit vectors alone. What did pay: the segment fold. Each pair's segment (1.6 M a
+// work is on the critical path beside the tiles. Tried and no faster: making the next tile
+// block's weights a pair at a time between this block's V blocks (the exponentials interleaved
+// with the TDPBF16PS they could overlap; again later as 32-key steps after every column's
+// TDPBF16PS, the weights double-buffered: level), and the segment
+// fold's V sums in 512-bit vectors alone. Throwaway loops on the model-167 Xeon show why: the
+// tile unit and the vector units do overlap when the instruction stream interleaves them a few
+// TDPBF16PS at a time (48 TDPBF16PS and 4 score tiles' extraction: 741 and 194 TSC cycles alone,
+// 993 one after the other, 798 interleaved), but not when the B tiles come from L2 (each V tile
+// here is read once per tile block from the 64 KB staged segment: 34 and 32 cycles a column
+// alone, 66 interleaved). What did pay: the segment fold. Each pair's segment (1.6 M a
 // layer at 8k) was copied into a partial, read back by the driver and folded by scalar SSE code
 // with two exps; it is now folded here straight from the V sums (part.states, run_chunk_units),
-// 512 bits wide, exp(0) = 1 not computed: 1.08-1.12x on the whole 8k prefill attention. q in two
-// BF16 parts (17 bits, as the weights) instead of three measured 1.03-1.09x: not taken.
+// 512 bits wide, exp(0) = 1 not computed: 1.08-1.12x on the whole 8k prefill attention.
 #include <immintrin.h>
 
 #include <cmath>
@@ -364,7 +367,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   for (int64_t u = 0; u < np; ++u) maxs[u] = vmax[u];  // vmax + 16 b: block b's lanes
   // Pass 3: V sums in tiles of 16 pairs x 16 columns, in blocks of 32 keys from kbeg. Each C tile
   // sums one tile block's 16 columns through all of its blocks in key order (shared blocks, then a
-  // tree row's own), each block's parts lo, mid, hi: one TDPBF16PS chain per element. A pair with
+  // tree row's own): one TDPBF16PS chain per element. A pair with
   // no key in a block (other pairs' keys run on, a window starts later, another tree row's own
   // block) gets weight 0 there, and adding exact zero products leaves a C element as it is: TDPBF16PS
   // flushes denormal results, so a C element is never denormal, and it is never -0. So a pair's
