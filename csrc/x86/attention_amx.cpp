@@ -301,6 +301,25 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     const __m512 scale = vscale;
     __m512 r[kTile];  // Sᵀ[key][pair] -> per pair its 16 keys' scores
     __m512 mx = _mm512_loadu_ps(vmax + b * 16);
+    // Most of a prefill's tiles: every pair attends every key of the block. The same max and
+    // stores as below, without the per-pair bounds.
+    const __mmask16 all = npairs >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << npairs) - 1u);
+    if (_mm512_cmpge_epi32_mask(nvec, _mm512_set1_epi32(int(jb + nkb))) == all) {
+      for (int64_t t = 0; t < kTile; ++t) {
+        r[t] = _mm512_mul_ps(_mm512_loadu_ps(ct + t * kTile), scale);
+        if (t < nkb) mx = _mm512_mask_max_ps(mx, all, r[t], mx);
+      }
+      _mm512_storeu_ps(vmax + b * 16, mx);
+      avx512::transpose16(r);
+      float* const sc0 = scores + u0b * sc_stride + jb - kbeg;
+      const __mmask16 keys = first_lanes(nkb);
+#pragma GCC unroll 16
+      for (int pr = 0; pr < kTile; ++pr) {
+        if (pr >= npairs) break;
+        _mm512_mask_storeu_ps(sc0 + pr * stride, keys, r[pr]);
+      }
+      return;
+    }
     for (int64_t t = 0; t < kTile; ++t) {
       r[t] = _mm512_mul_ps(_mm512_loadu_ps(ct + t * kTile), scale);
       // the pairs that attend key jb + t; a NaN score is skipped (max_ps returns its second operand)
@@ -496,7 +515,9 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       const float inv = 1.f / s;
       for (int64_t d = 0; d < hd; ++d) out[d] = acc[d] * inv;
     } else if (part.states) {  // run_chunk_units: folded here, not written and read back
-      if (pair_has_partial(a, row_of(u), head_of(u), seg)) fold_partial(part.state(a, row_of(u), head_of(u)), maxs[u], s, acc, hd);
+      // (pair_has_partial holds here: the checks above are its own for BF16 rows, which have
+      // no sinks and no sparse budget: attention.cpp refuses those without a draft copy)
+      fold_partial(part.state(a, row_of(u), head_of(u)), maxs[u], s, acc, hd);
     } else {
       float* pp = part.at(a, row_of(u), head_of(u), seg);
       pp[0] = maxs[u];
