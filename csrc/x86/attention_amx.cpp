@@ -182,30 +182,40 @@ void score_tiles(const uint16_t* ks, int64_t hdp, const uint16_t* qb, int64_t b,
   });
 }
 
-// V sums of NC column tiles (C tiles 0 .. NC-1, one chain each: chain_begin, chain_blocks ...,
-// chain_end). A block's weights stay in A tile 4 (ws[16 pairs][width] BF16, block jb at column
-// 32 jb) for the NC columns' B tiles (7: vs + jb · vblock + c · 512), one TDPBF16PS each.
-template <int NC>
+// V sums of NB tile blocks x NC column tiles (C tile (CB + i) · NC + c for block i, column c; one
+// chain each: chain_begin, chain_blocks ..., chain_end). Block i's weights stay in A tile 4 + i
+// (ws + i · ws_stride: [16 pairs][width] BF16, block jb at column 32 jb) for the NC columns' B
+// tiles (7: vs + jb · vblock + c · 512), each V tile feeding NB TDPBF16PS: the staged segment's
+// V (64 KB at head_dim 128) comes from L2, at 1 KB a TDPBF16PS more than L2 delivers.
+template <int N>
 void chain_begin() {
-  static_assert(NC >= 1 && NC <= 4, "4 C tiles");
-  unrolled<NC>([](auto t) { tile_zero<decltype(t)::value>(); });
+  static_assert(N >= 1 && N <= 4, "4 C tiles");
+  unrolled<N>([](auto t) { tile_zero<decltype(t)::value>(); });
 }
-template <int NC>
-void chain_blocks(const uint16_t* ws, int64_t width, int64_t nb, const uint16_t* vs, int64_t vblock) {
+template <int NB, int NC, int CB = 0>
+void chain_blocks(const uint16_t* ws, int64_t ws_stride, int64_t width, int64_t nb, const uint16_t* vs,
+                  int64_t vblock) {
+  static_assert(NB >= 1 && NB <= 2 && (CB + NB) * NC <= 4, "4 C tiles, A tiles 4-5");
   for (int64_t jb = 0; jb < nb; ++jb) {
-    tile_load<4>(ws + jb * kVKeys, width * 2);
+    unrolled<NB>([&](auto i) { tile_load<4 + decltype(i)::value>(ws + i * ws_stride + jb * kVKeys, width * 2); });
     unrolled<NC>([&](auto c) {
       constexpr int C = decltype(c)::value;
       tile_load<7>(vs + jb * vblock + C * kTileElems, 64);
-      tile_dpbf16<C, 4, 7>();
+      unrolled<NB>([&](auto i) {
+        constexpr int I = decltype(i)::value;
+        tile_dpbf16<(CB + I) * NC + C, 4 + I, 7>();
+      });
     });
   }
 }
-template <int NC>
-void chain_end(float* out, int64_t ld) {  // C tile c -> out[16 rows][c · 16 ..], rows ld floats apart
-  unrolled<NC>([&](auto t) {
-    constexpr int T = decltype(t)::value;
-    tile_store<T>(out + T * 16, ld * 4);
+// C tile (CB + i) · NC + c -> out + i · out_stride + c · 16, 16 rows ld floats apart.
+template <int NB, int NC, int CB = 0>
+void chain_end(float* out, int64_t out_stride, int64_t ld) {
+  unrolled<NB>([&](auto i) {
+    unrolled<NC>([&](auto c) {
+      constexpr int I = decltype(i)::value, C = decltype(c)::value;
+      tile_store<(CB + I) * NC + C>(out + I * out_stride + C * 16, ld * 4);
+    });
   });
 }
 
@@ -231,13 +241,13 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   // Scratch (64-byte aligned regions): q as B tiles [block][chunk] | scores [pairs]
   // [segment keys] | V sums [pairs][hdp] | max, Σ per pair | 4 C tiles | running max lanes
   // [pairs][16] | staged K [kStageKeys][hdp] | staged V [segment blocks + 1][hdp / 16 tiles] |
-  // weights [16 pairs][segment keys] + one tree block [16 pairs][32 keys] | keys
+  // weights 2 x [16 pairs][segment keys] + one tree block [16 pairs][32 keys] | keys
   // per pair (int32). Every size depends on the unit's pairs only, not on the segment, so a unit
   // that continues (part.unit_continues) finds its q tiles where it left them.
   const int64_t f_scores = np * sc_stride, f_accs = nblk * kTile * hdp, f_max = 2 * round_up(np, 16),
                 f_vmax = round_up(np, 16);  // a vector per tile block
   const int64_t h_q = nblk * nch * kTileElems, h_k = kStageKeys * hdp, h_v = (kAttnSegKeys / kVKeys + 1) * (hdp / 16) * kTileElems,
-                h_w = kTile * (kAttnSegKeys + kVKeys);
+                h_w = kTile * (2 * kAttnSegKeys + kVKeys);
   float* buf = attn_thread_scratch(f_scores + f_accs + f_max + f_vmax + 4 * 256 + (h_q + h_k + h_v + h_w) / 2 + np + 64);
   uint16_t* qb = reinterpret_cast<uint16_t*>(buf);
   float* scores = buf + h_q / 2;  // h_q is a multiple of 512
@@ -442,31 +452,38 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       }
     }
   };
-  // Tile block by tile block: the weights of its shared blocks, then per group of up to 4 column
-  // tiles one chain through the shared blocks and, for tree rows, each row's own blocks.
-  uint16_t* const wown = wst + kTile * kAttnSegKeys;  // one own block: [16][32]
-  const int64_t ws_width = nsb * kVKeys;
-  auto chain = [&](auto nc_const, int64_t b, int64_t c) {
-    constexpr int NC = decltype(nc_const)::value;
-    chain_begin<NC>();
-    chain_blocks<NC>(wst, ws_width, nsb, vst + c * kTileElems, vblock);
-    tree_blocks(kVKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
-      if (b < b0 || b >= b1) return;
-      stage_v(vown, nk, [&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd; });
-      round_weights(wown, j0, 1, b, mine);
-      chain_blocks<NC>(wown, kVKeys, 1, vown + c * kTileElems, vblock);
-    });
-    chain_end<NC>(accs + b * kTile * hdp + c * 16, hdp);
+  // Two tile blocks at a time (the last one alone): the weights of their shared blocks, then per
+  // group of column tiles (two; up to four for a block alone) one chain per C tile through the
+  // shared blocks and, for tree rows, each row's own blocks. Block b + i's weights at
+  // wst + i · ws_stride.
+  uint16_t* const wown = wst + 2 * kTile * kAttnSegKeys;  // one own block: [16][32]
+  const int64_t ws_width = nsb * kVKeys, ws_stride = kTile * ws_width;
+  auto chain = [&](auto nb_const, auto nc_const, int64_t b, int64_t c) {
+    constexpr int NB = decltype(nb_const)::value, NC = decltype(nc_const)::value;
+    chain_begin<NB * NC>();
+    chain_blocks<NB, NC>(wst, ws_stride, ws_width, nsb, vst + c * kTileElems, vblock);
+    auto own = [&](auto cb_const) {  // block b + CB's tree rows
+      constexpr int CB = decltype(cb_const)::value;
+      tree_blocks(kVKeys, [&](int64_t row, int64_t j0, int64_t nk, int64_t b0, int64_t b1, auto&& mine) {
+        if (b + CB < b0 || b + CB >= b1) return;
+        stage_v(vown, nk, [&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, row, j0 + t)) + kvh * hd; });
+        round_weights(wown, j0, 1, b + CB, mine);
+        chain_blocks<1, NC, CB>(wown, 0, kVKeys, 1, vown + c * kTileElems, vblock);
+      });
+    };
+    own(std::integral_constant<int, 0>());
+    if constexpr (NB == 2) own(std::integral_constant<int, 1>());
+    chain_end<NB, NC>(accs + b * kTile * hdp + c * 16, kTile * hdp, hdp);
   };
   // Pass 2's exponentials, a tile block at a time right before its chains: each pair's weights
   // of the shared blocks go straight into their A tile, rounded (ws[16 pairs][32 · nsb keys], keys
   // a pair does not attend 0), Σ of the unrounded weights in key order 16 keys at a time; a tree
   // row's own keys past them are exponentiated in place, for their blocks' rounding in the chains.
-  auto weights_block = [&](int64_t b) {
+  auto weights_block = [&](int64_t b, uint16_t* wsb) {
     const int64_t w = nsb * kVKeys;
     for (int64_t pr = 0; pr < kTile; ++pr) {
       const int64_t u = b * kTile + pr;
-      uint16_t* const ws = wst + pr * w;
+      uint16_t* const ws = wsb + pr * w;
       if (u >= np || n_of(u) <= kbeg || attn_key_lo(a, row_of(u)) >= kcap) {  // no key here
         for (int64_t j = 0; j < w; j += kVKeys) round32(_mm512_setzero_ps(), _mm512_setzero_ps(), ws + j);
         continue;
@@ -492,14 +509,24 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       sums[u] = _mm512_reduce_add_ps(vsum);
     }
   };
-  for (int64_t b = 0; b < nblk; ++b) {
-    weights_block(b);
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  for (int64_t b = 0; b < nblk; b += 2) {
+    weights_block(b, wst);
+    if (b + 1 < nblk) {
+      weights_block(b + 1, wst + ws_stride);
+      for (int64_t c = 0; c < ncol; c += 2) {
+        if (ncol - c >= 2) chain(Two(), Two(), b, c);
+        else chain(Two(), One(), b, c);
+      }
+      continue;
+    }
     for (int64_t c = 0; c < ncol; c += 4) {
       switch (ncol - c < 4 ? ncol - c : 4) {
-        case 4: chain(std::integral_constant<int, 4>(), b, c); break;
-        case 3: chain(std::integral_constant<int, 3>(), b, c); break;
-        case 2: chain(std::integral_constant<int, 2>(), b, c); break;
-        default: chain(std::integral_constant<int, 1>(), b, c);
+        case 4: chain(One(), std::integral_constant<int, 4>(), b, c); break;
+        case 3: chain(One(), std::integral_constant<int, 3>(), b, c); break;
+        case 2: chain(One(), Two(), b, c); break;
+        default: chain(One(), One(), b, c);
       }
     }
   }
