@@ -42,7 +42,9 @@
 //
 // Tiles and the vector work around them. A tile load costs about what a TDPBF16PS does (more
 // from L2): scores hold a chunk's q in B tile 7 for up to 4 key blocks' K chunks (A, tile 4);
-// values hold a block's weights in A tile 4 for 4 column tiles' V (B, tile 7). Per unit (driver's
+// values hold two tile blocks' weights in A tiles 4-5 for 2 column tiles' V (B, tile 7; a block
+// alone: 4 column tiles), each V tile read from the staged segment in L2 once for two blocks
+// (1.03x on an 8k prefill's attention over one block a V tile). Per unit (driver's
 // run_chunk_units) q is rounded into B tiles once for all its segments (16 pairs at a time, a
 // 16 x 16 dword transpose into the B layout); scores and weights are kept per segment; a score
 // tile is transposed back so each pair's 16 scores are one vector (scale, masked store, running
@@ -73,7 +75,7 @@
 // work is on the critical path beside the tiles. Tried and no faster: making the next tile
 // block's weights a pair at a time between this block's V blocks (the exponentials interleaved
 // with the TDPBF16PS they could overlap; again later as 32-key steps after every column's
-// TDPBF16PS, the weights double-buffered: level), and the segment
+// TDPBF16PS, the weights double-buffered: level), larger prefill units (768, 1,536 pairs), and the segment
 // fold's V sums in 512-bit vectors alone. Throwaway loops on the model-167 Xeon show why: the
 // tile unit and the vector units do overlap when the instruction stream interleaves them a few
 // TDPBF16PS at a time (48 TDPBF16PS and 4 score tiles' extraction: 741 and 194 TSC cycles alone,
