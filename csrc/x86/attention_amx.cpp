@@ -313,38 +313,28 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     const __m512 scale = vscale;
     __m512 r[kTile];  // Sᵀ[key][pair] -> per pair its 16 keys' scores
     __m512 mx = _mm512_loadu_ps(vmax + b * 16);
-    // Most of a prefill's tiles: every pair attends every key of the block. The same max and
-    // stores as below, without the per-pair bounds.
+    // Most of a prefill's tiles: every pair attends every key of the block (`whole`): no per-pair
+    // bounds then, the same max and stores.
     const __mmask16 all = npairs >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << npairs) - 1u);
-    if (_mm512_cmpge_epi32_mask(nvec, _mm512_set1_epi32(int(jb + nkb))) == all) {
-      for (int64_t t = 0; t < kTile; ++t) {
-        r[t] = _mm512_mul_ps(_mm512_loadu_ps(ct + t * kTile), scale);
-        if (t < nkb) mx = _mm512_mask_max_ps(mx, all, r[t], mx);
-      }
-      _mm512_storeu_ps(vmax + b * 16, mx);
-      avx512::transpose16(r);
-      float* const sc0 = scores + u0b * sc_stride + jb - kbeg;
-      const __mmask16 keys = first_lanes(nkb);
-#pragma GCC unroll 16
-      for (int pr = 0; pr < kTile; ++pr) {
-        if (pr >= npairs) break;
-        _mm512_mask_storeu_ps(sc0 + pr * stride, keys, r[pr]);
-      }
-      return;
-    }
+    const bool whole = _mm512_cmpge_epi32_mask(nvec, _mm512_set1_epi32(int(jb + nkb))) == all;
     for (int64_t t = 0; t < kTile; ++t) {
       r[t] = _mm512_mul_ps(_mm512_loadu_ps(ct + t * kTile), scale);
       // the pairs that attend key jb + t; a NaN score is skipped (max_ps returns its second operand)
-      const __mmask16 att = t < nkb ? _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(int(jb + t))) : __mmask16(0);
+      const __mmask16 att = t >= nkb ? __mmask16(0) : whole ? all : _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(int(jb + t)));
       mx = _mm512_mask_max_ps(mx, att, r[t], mx);
     }
     _mm512_storeu_ps(vmax + b * 16, mx);
     avx512::transpose16(r);
     float* const sc0 = scores + u0b * sc_stride + jb - kbeg;
     const int64_t cap = kcap;
+    const __mmask16 keys = first_lanes(nkb);
 #pragma GCC unroll 16
     for (int pr = 0; pr < kTile; ++pr) {  // unrolled: r[pr] stays in its register
       if (pr >= npairs) break;
+      if (whole) {
+        _mm512_mask_storeu_ps(sc0 + pr * stride, keys, r[pr]);
+        continue;
+      }
       if (!(wanted >> pr & 1)) continue;
       const int64_t n = nf[u0b + pr] < cap ? nf[u0b + pr] : cap;
       _mm512_mask_storeu_ps(sc0 + pr * stride, first_lanes(n - jb < nkb ? n - jb : nkb), r[pr]);
