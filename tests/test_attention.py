@@ -314,7 +314,8 @@ def _check_row_independent(path, shape_name, start_pos):
 def test_bit_identical_across_thread_counts(path, shape_name, threads):
     n_heads, kv_heads, head_dim = SHAPES[shape_name]
     kv = make_cache(kv_heads, head_dim)
-    cases = [(1, 500), (9, 100), (33, 1000)] if path != "ref" else [(1, 500), (9, 100), (33, 40)]
+    # 300 rows: a long prompt's units over all their segments (run_chunk_units), at one thread too
+    cases = [(1, 500), (9, 100), (33, 1000), (300, 400)] if path != "ref" else [(1, 500), (9, 100), (33, 40)]
     for m, start_pos in cases:
         q = make_q(m, n_heads, head_dim, seed=m)
         outs = []
