@@ -341,10 +341,13 @@ bool segment_live(const AttnArgs& a, int64_t r0, int64_t r1, int64_t s) {
 // 51-54; the MX draft row over the INT4 copy (sparse budget 2,048) amx 11.2-11.4 -> 9.9-10.2,
 // avx512 10.0-11.6 -> 8.8-9.4, avx2 10.1 -> 9.2; 9 BF16 rows avx512 88-89 -> 80-82, avx2 108 -> 103;
 // one BF16 row avx512 13.7 -> 14.6-14.9 (slower: kept on one-segment units), amx 14.1-15.1 -> 13.8-14.0.
-// One thread (a tensor-parallel rank's on a 2-core machine, or --threads 1) gains as much: there the
-// last 2,048 rows of an 8,192-row prefill took 338 ms on one-segment units (every row's partials of
-// all 32 segments through memory) against 152-158 on these (amx); 512 of them avx512 244 -> 214,
-// avx2 392 -> 366; 16 verify rows amx 2.4 -> 2.0 ms, 9 rows level on the FMA paths.
+// With one thread (--threads 1, or a tensor-parallel rank's on a 2-core machine) a long prompt takes
+// them too (run_grouped): the last 2,048 rows of an 8,192-row prefill took 338 ms on one-segment
+// units (every row's partials of all 32 segments through memory) against 152-158 on these (amx);
+// 512 of them avx512 244 -> 214, avx2 392 -> 366; the whole 8k prefill 162-165 -> 237-242 tok/s.
+// Verify and draft rows stay on one-segment units there (`qspec bench attention --threads 1`: 9
+// and 16 amx rows 10-20% faster at 2,048 keys on these but 8-11% slower at 8,192, the INT4 draft
+// row at 8,192 slower): consecutive units share each segment's K/V in cache.
 bool chunk_units_pay(const AttnArgs& a, int64_t units, int64_t nt) {
   if (a.m >= kAttnChunkUnitRows) return true;
   return (a.m > 1 || a.draft_q8) && (units % nt == 0 || units >= 4 * nt);
@@ -423,7 +426,8 @@ void run_grouped(AttnGroupFn fn, const AttnArgs& a, int64_t unit_pairs = kAttnUn
   // 32-key block: Zen 3 AVX2, 2 threads, 12/2 heads of 128, 2,048 rows: 57 -> 119 GFLOP/s).
   const int64_t unit_rows = unit_pairs / group > 0 ? unit_pairs / group : 1;
   if ((a.m + unit_rows - 1) / unit_rows > chunks) chunks = (a.m + unit_rows - 1) / unit_rows;
-  if (max_seg > 1 && chunk_units_pay(a, kvh * chunks, nt)) return run_chunk_units(fn, a, chunks);
+  if (max_seg > 1 && (nt > 1 || a.m >= kAttnChunkUnitRows) && chunk_units_pay(a, kvh * chunks, nt))
+    return run_chunk_units(fn, a, chunks);
   struct Unit {
     int64_t kvh, r0, r1, seg;
   };
