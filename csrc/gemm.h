@@ -53,6 +53,7 @@
 #include <string>
 #include <vector>
 
+#include "aligned.h"
 #include "cpu.h"
 #include "mx.h"
 
@@ -63,10 +64,11 @@ namespace qspec {
 struct PackedWeight {
   WFormat fmt = WFormat::bf16;
   int64_t n = 0, k = 0;  // logical shape [N, K]
-  // Named buffers of the packed layout (e.g. "data", "scales"). Either owned (storage)
-  // or borrowed from memory that outlives this object (keepalive holds the owner).
+  // Named buffers of the packed layout (e.g. "data", "scales"). Either owned (storage, each
+  // starting on a 64-byte line: aligned.h; a first load runs on these until the weight cache has
+  // the model) or borrowed from memory that outlives this object (keepalive holds the owner).
   std::map<std::string, std::pair<const uint8_t*, size_t>> buffers;
-  std::vector<std::vector<uint8_t>> storage;
+  std::vector<LineVector<uint8_t>> storage;
   std::shared_ptr<void> keepalive;
 
   const uint8_t* buf(const std::string& name) const;

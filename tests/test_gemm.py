@@ -368,6 +368,11 @@ def test_packed_properties_and_sizes(fmt, rng):
     bufs = pw.buffers()
     assert sum(b.nbytes for b in bufs.values()) == pw.nbytes
     assert all(b.dtype == np.uint8 and not b.flags.writeable for b in bufs.values())
+    # owned buffers start on a 64-byte line (a tile or zmm row of them one line), small or large
+    # (glibc puts large blocks 16 bytes past a page: every 64-byte load then spans two lines)
+    big, _ = make_weight(rng, fmt, 512, 512)
+    for p in (pw, big):
+        assert all(b.__array_interface__["data"][0] % 64 == 0 for b in p.buffers().values())
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2"])
