@@ -205,6 +205,14 @@ def test_a_closed_generation_frees_its_pages_at_once(eng):
     assert not eng.batcher.live and all(pool.refs[p] == 0 for p in held)
 
 
+def test_pool_arrays_start_on_a_page(eng):
+    # the attention kernels read 64-byte pieces of cache rows: none may span two lines
+    pool = KVPool(eng.backend.pool.cfg, draft_copy="int4")
+    pool.grow_to(3)
+    for a in (pool.data, *pool.q8):
+        assert a.ctypes.data % 4096 == 0 and a.flags.c_contiguous and a.shape[2] == 3 * pool.page_size
+
+
 def test_pool_budget_too_small_for_one_sequence(default_model_dir):
     eng = qspec.load(default_model_dir, draft=None)
     pool = eng.backend.pool
