@@ -31,20 +31,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextMemoryError
-from .memory import DRAFT_COPY_BITS, PAGE_SIZE, Q8_BLOCK, check_fits, draft_copy_arrays
+from .memory import DRAFT_COPY_BITS, PAGE_SIZE, Q8_BLOCK, check_fits, draft_copy_arrays, page_aligned_empty
 
-
-
-def page_aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """np.empty whose data starts on a 4 KiB page. numpy's large blocks start 16 bytes past a
-    page, so every 64-byte cache row of the attention kernels' K/V reads spanned two lines (one
-    decode row over 8,192 keys of Qwen2.5-Coder-1.5B's cache 2-7% slower, amx and avx512 paths).
-    Untouched pages still cost no RSS."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(n + 4096, np.uint8)
-    start = -raw.ctypes.data % 4096
-    return raw[start:start + n].view(dtype).reshape(shape)
 
 class KVExhausted(Exception):
     """No free page and the pool may not grow (its page budget is spent): the caller preempts."""

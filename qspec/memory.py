@@ -18,6 +18,19 @@ Q8_BLOCK = 32  # values per scale byte of the draft copy (csrc/kv_q8.h)
 DRAFT_COPY_BITS = {"int8": 8, "int4": 4}  # bits per value of each draft copy
 
 
+def page_aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty whose data starts on a 4 KiB page, for the arrays the kernels stream (the KV
+    cache, its draft copy, the logits). numpy's large blocks start 16 bytes past a page, so every
+    64-byte piece the kernels read or write spanned two lines (one decode row's attention over
+    8,192 keys of Qwen2.5-Coder-1.5B's cache 2-7% slower, amx and avx512 paths). Untouched pages
+    still cost no RSS."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + 4096, np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
 def draft_copy_arrays(cfg: ModelConfig, fmt: str, rows: int, page_size: int = PAGE_SIZE):
     """The arrays of the draft copy `fmt` over `rows` pool rows, as (shape, dtype): K values, V
     values, K scales, V scales, flags (csrc/attention.h KvCacheView::q8k)."""

@@ -19,6 +19,7 @@ from .errors import DraftFileError, ModelLoadError
 from .batch import Pass
 from .kv_cache import KVCache, KVPool
 from .loader import ModelWeights, _weight_files, layer_norm_names
+from .memory import page_aligned_empty
 from .parallel.shard import Shard
 from .rope import rope_tables
 
@@ -351,7 +352,7 @@ class NativeBackend:
         for set_index, (spec, packed) in enumerate(upper_drafts, start=DRAFT + 1):
             self.set_bytes.append(self._set_draft(set_index, packed, ModelLoadError, f"{spec.fmt} draft"))
         self._rope_positions = 0
-        self._logits = np.empty((0, shard.vocab_rows), dtype=np.float32)
+        self._logits = page_aligned_empty((0, shard.vocab_rows), np.float32)
         self._draft_window = check_draft_window(draft_window, self.pool.draft_copy)
         self.draft_sparse = draft_sparse  # sets both
 
@@ -456,7 +457,7 @@ class NativeBackend:
         lock); each pass's logits [m or 1, vocab rows], arrays of the caller's."""
         rows = sum(len(p.tokens) if p.all_logits else 1 for p in passes)
         if self._logits.shape[0] < rows:
-            self._logits = np.empty((rows, self.shard.vocab_rows), dtype=np.float32)
+            self._logits = page_aligned_empty((rows, self.shard.vocab_rows), np.float32)
         self._ensure_rope(max(p.start_pos + len(p.tokens) for p in passes))
         out = self._logits[:rows]
         tokens = passes[0].tokens if len(passes) == 1 else np.concatenate([p.tokens for p in passes])
