@@ -32,7 +32,7 @@ from .common import (JsonWriter, fmt_table, int_list, llc_bytes, parent_parser, 
                      setup, str_list)
 from qspec import _C
 from qspec.cli import sparse_keys
-from qspec.memory import PAGE_SIZE, draft_copy_arrays, draft_copy_of
+from qspec.memory import PAGE_SIZE, draft_copy_arrays, draft_copy_of, page_aligned
 from qspec.native import DRAFT_RECENT_KEYS
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64, 30), "qwen2.5-coder-1.5b": (12, 2, 128, 28)}  # heads, kv, hd, layers
@@ -81,8 +81,8 @@ def run(args) -> list[dict]:
                 layer_bytes = L * sum(int(np.prod(shape)) for shape, _ in draft_copy_arrays(one_layer, args.draft_kv, 1))
             n_layers = max(2, min(layers, int(np.ceil(3 * llc_bytes() / layer_bytes))))  # from DRAM
             n_rows = -(-(L + max(ms)) // PAGE_SIZE) * PAGE_SIZE  # whole pages
-            kv = (rng.standard_normal((n_layers, 2, n_rows, kv_heads, hd), dtype=np.float32)
-                  .view(np.uint32) >> 16).astype(np.uint16)
+            kv = page_aligned((rng.standard_normal((n_layers, 2, n_rows, kv_heads, hd), dtype=np.float32)
+                               .view(np.uint32) >> 16).astype(np.uint16))  # as the pool's (qspec/memory.py)
             kw = {"q8": draft_copy_of(kv, args.draft_kv, L // PAGE_SIZE * PAGE_SIZE),
                   "recent": DRAFT_RECENT_KEYS} if args.draft_kv else {}
             cases = [(m, L - m) for m in ms if m <= L] + ([(L, 0)] if args.prefill else [])

@@ -40,6 +40,7 @@ from .common import (FloorMeter, JsonWriter, Rotating, copies_of, fmt_table, int
                      model_parser, parent_parser, positive_int, print_header, reps_for, setup, spread, str_list)
 from qspec import _C
 from qspec.draft import cast_rule
+from qspec.memory import page_aligned, page_aligned_empty
 
 # (model, layer, N, K): y[M, N] = x[M, K] @ W[N, K]^T
 MODELS = {
@@ -169,9 +170,9 @@ def run(args) -> list[dict]:
                 for m in ms:
                     if m >= 64 and n * k > 64e6 and args.quick:
                         continue
-                    x = rng.standard_normal((m, k), dtype=np.float32)
-                    tx = torch.from_numpy(x).to(torch.bfloat16)
-                    y = np.empty((m, n), np.float32)
+                    x = page_aligned(rng.standard_normal((m, k), dtype=np.float32))  # x, y on lines as
+                    tx = torch.from_numpy(x).to(torch.bfloat16)                      # the engine's buffers
+                    y = page_aligned_empty((m, n), np.float32)
                     paths = [p for p in _C.gemm_paths(ws[0], m) if p != "ref"]
                     cursor = [0]  # one rotation for every path of the case (common.Rotating)
                     fns = {p: Rotating(ws, lambda w, p=p: _C.gemm(w, x, y, p), cursor) for p in paths}

@@ -31,6 +31,13 @@ def page_aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + n].view(dtype).reshape(shape)
 
 
+def page_aligned(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` in a page_aligned_empty array."""
+    out = page_aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
 def draft_copy_arrays(cfg: ModelConfig, fmt: str, rows: int, page_size: int = PAGE_SIZE):
     """The arrays of the draft copy `fmt` over `rows` pool rows, as (shape, dtype): K values, V
     values, K scales, V scales, flags (csrc/attention.h KvCacheView::q8k)."""
@@ -44,14 +51,15 @@ def draft_copy_arrays(cfg: ModelConfig, fmt: str, rows: int, page_size: int = PA
 def draft_copy_of(kv: np.ndarray, fmt: str, written: int, page_size: int = PAGE_SIZE) -> tuple:
     """The draft copy `fmt` of BF16 rows kv [layers, 2, rows, kv_heads, head_dim] (rows a multiple
     of page_size) as the forward passes write it (csrc/kv_q8.h): every row's V (and INT8 K) copy,
-    the INT4 K copy of the whole pages below row `written`, flagged. For benchmarks and tests."""
+    the INT4 K copy of the whole pages below row `written`, flagged, in page-aligned arrays as the
+    pool's. For benchmarks and tests."""
     from . import _C
 
     layers, _, rows, kvh, hd = kv.shape
     flags = np.zeros((1, 1, rows, 1, 1), np.uint8)
     if fmt == "int8":
         (qk, ek), (qv, ev) = (_C.kv_q8_quantize(np.ascontiguousarray(kv[:, i:i + 1])) for i in (0, 1))
-        return qk, qv, ek, ev, flags
+        return tuple(page_aligned(a) for a in (qk, qv, ek, ev, flags))
     qv, ev = _C.kv_q4_quantize(np.ascontiguousarray(kv[:, 1:]))
     qk = np.zeros((layers, 1, rows, kvh, hd // 2), np.int8)
     ek = np.zeros((layers, 1, rows, kvh, 3 * hd // page_size), np.uint8)
@@ -61,7 +69,7 @@ def draft_copy_of(kv: np.ndarray, fmt: str, written: int, page_size: int = PAGE_
         qk[:, 0, g0:g0 + page_size] = packed.reshape(layers, page_size, kvh, hd // 2)
         ek[:, 0, g0:g0 + page_size] = params.reshape(layers, page_size, kvh, -1)  # the page's bytes, row by row
         flags[0, 0, g0] = 1
-    return qk, qv, ek, ev, flags
+    return tuple(page_aligned(a) for a in (qk, qv, ek, ev, flags))
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
