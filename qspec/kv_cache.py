@@ -470,13 +470,16 @@ class KVCache:
         if isinstance(dst_start, bool) or not isinstance(dst_start, (int, np.integer)) or dst_start < 0:
             raise ValueError(f"move_rows: dst_start must be an int >= 0, got {dst_start!r}")
         dst_start = int(dst_start)
-        if dst_start + n > self.capacity or (n and src[-1] >= self.capacity):
-            raise ValueError(f"move_rows: rows beyond the cache capacity {self.capacity}")
         if n and (np.any(np.diff(src) <= 0) or np.any(src < dst_start + np.arange(n))):
             raise ValueError("move_rows: src_slots must be ascending with src_slots[j] >= dst_start + j")
         if tokens is not None and len(tokens) != n:
             raise ValueError(f"move_rows: {len(tokens)} tokens for {n} rows")
         with self.pool.lock:
+            # preempted since the pass that wrote the rows (its pages went to an older sequence):
+            # Preempted, as every other use of the cache raises, not a capacity error
+            self._check()
+            if dst_start + n > self.capacity or (n and src[-1] >= self.capacity):
+                raise ValueError(f"move_rows: rows beyond the cache capacity {self.capacity}")
             self.writing(dst_start, dst_start + n)
             if n and not np.array_equal(src, dst_start + np.arange(n)):
                 ps = self.pool.page_size

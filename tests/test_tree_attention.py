@@ -8,7 +8,7 @@ import pytest
 import qspec
 from qspec import _C
 from qspec.draft import DraftSpec
-from qspec.kv_cache import KVCache, KVPool
+from qspec.kv_cache import KVCache, KVPool, Preempted
 from qspec.native import NativeBackend
 from qspec.synthetic import synthetic_config, synthetic_weights
 
@@ -245,3 +245,8 @@ def test_move_rows_validates():
         kv.move_rows([3, 5], 2, tokens=[1])
     kv.move_rows([3, 5, 9], 2)
     assert kv.length == 5 and kv.data[0, 0, kv.rows(2, 5), 0, 0].tolist() == [3, 5, 9]
+    # preempted between the verify pass and the move (an older sequence took its pages): the
+    # batch's Preempted, which restarts the sequence, not a capacity error
+    kv.preempt()
+    with pytest.raises(Preempted):
+        kv.move_rows([3, 5], 2)
