@@ -18,7 +18,9 @@ of the weight to exceed the last-level cache, so bytes really come from DRAM (as
 Each line names the GEMM path it timed; `*` marks the path the dispatcher takes for that M
 (gemm_choose: e.g. amx for BF16 at every M on an AMX machine). The summary gives, per shape and
 format, the dispatcher's path(s) over M <= 64 (one path: batch invariance) and v(M) = M / M=1 time.
-Variants of a path that give its bits, timed beside it: avx512_maddubs (MXFP4 without VNNI) and,
+Variants of a path that give its bits, timed beside it: avx512_maddubs and avx2_maddubs (MXFP4
+without AVX512-VNNI / AVX-VNNI, where the CPU has them; the avx2 path takes AVX-VNNI from
+_C.AVX_VNNI_ROWS rows) and,
 where the avx512_bf16 path takes FMAs (Intel, from _C.BF16_FMA_ROWS rows), avx512_dpbf16.
 
 `--shapes 1536x576,4096x4096` benchmarks just those N x K shapes (model "custom");
@@ -183,6 +185,10 @@ def run(args) -> list[dict]:
                         for nb in args.mx_row_blocks:  # the VNNI kernel at a forced stream count
                             fns[f"avx512_vnni_rb{nb}"] = Rotating(ws, lambda w, nb=nb: _row_blocks(w, x, y, nb), cursor)
                             paths.append(f"avx512_vnni_rb{nb}")
+                    if fmt == "mxfp4" and "avx2" in paths and _C.mx_avx_vnni():
+                        # vpmaddubsw beside the avx2 path, which takes AVX-VNNI from _C.AVX_VNNI_ROWS rows
+                        fns["avx2_maddubs"] = Rotating(ws, lambda w: _maddubs_avx2(w, x, y), cursor)
+                        paths.append("avx2_maddubs")
                     if fmt == "bf16" and "avx512_bf16" in paths and _C.bf16_fma() and m >= _C.BF16_FMA_ROWS:
                         # the avx512_bf16 path takes FMAs from here (same bits): vdpbf16ps beside it
                         fns["avx512_dpbf16"] = Rotating(ws, lambda w: _dpbf16(w, x, y), cursor)
@@ -204,6 +210,7 @@ def run(args) -> list[dict]:
                         pct = spread([100 * nbytes / pr.result[p] / 1e9 / f for pr, f in zip(meter.pairs, floors)])
                         label = "avx512_vnni" if p == "avx512" and fmt == "mxfp4" and _C.mx_vnni() else p
                         isa = "avx512" if p.startswith("avx512_") and fmt == "mxfp4" else \
+                            "avx2" if p.startswith("avx2_") else \
                             "avx512_bf16" if p == "avx512_dpbf16" else p  # the variants
                         row = {"kernel": f"gemm_{fmt}", "fmt": fmt, "path": label, "isa": isa,
                                "chosen": p == _C.gemm_choose(ws[0], m), "model": mdl, "layer": lay,
@@ -246,6 +253,7 @@ def _variant(setter, value, path):
 # the variants timed beside a path: vpmaddubsw instead of vpdpbusd (MXFP4), vdpbf16ps where the
 # avx512_bf16 path would take FMAs, n row blocks streamed at once by the VNNI MXFP4 kernel
 _maddubs = _variant(_C.set_mx_vnni, False, "avx512")
+_maddubs_avx2 = _variant(_C.set_mx_vnni, False, "avx2")
 _dpbf16 = _variant(_C.set_bf16_fma, False, "avx512_bf16")
 
 

@@ -26,6 +26,7 @@ py::dict cpu_info_dict() {
   features["avx512_bf16"] = f.avx512_bf16;
   features["avx512_fp16"] = f.avx512_fp16;
   features["avx512_vnni"] = f.avx512_vnni;
+  features["avx_vnni"] = f.avx_vnni;
   features["amx_tile"] = f.amx_tile;
   features["avx512_vbmi"] = f.avx512_vbmi;
   features["amx_bf16"] = f.amx_bf16;

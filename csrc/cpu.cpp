@@ -72,6 +72,7 @@ CpuFeatures probe() {
     f.amx_tile = d & (1u << 24);
     f.amx_int8 = d & (1u << 25);
     __cpuid_count(7, 1, a, b, c, d);
+    f.avx_vnni = a & (1u << 4);
     f.avx512_bf16 = a & (1u << 5);
   }
   if (f.amx_tile && f.os_amx) {

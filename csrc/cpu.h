@@ -13,6 +13,7 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_bf16 = false, avx512_fp16 = false;
   bool avx512_vnni = false;  // vpdpbusd (Cascade Lake and later Xeons, Zen 4)
+  bool avx_vnni = false;     // VEX vpdpbusd on ymm, no AVX-512 needed (Sierra Forest Xeons, Alder Lake and later)
   bool avx512_vbmi = false;  // vpermb / vpermt2b (every AMX CPU; the amx level needs it)
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   bool os_avx = false;     // XCR0 enables YMM state

@@ -395,6 +395,15 @@ bool mx_vnni() {
   return have && isa_selected() >= Isa::avx512 && vnni_enabled().load(std::memory_order_relaxed);
 }
 
+bool mx_avx_vnni() {
+#ifdef QSPEC_ISA_EMULATION
+  const bool have = true;  // the test build emulates AVX-VNNI's vpdpbusd too
+#else
+  const bool have = cpu_features().avx_vnni;
+#endif
+  return have && vnni_enabled().load(std::memory_order_relaxed);
+}
+
 namespace {
 std::atomic<int>& row_blocks_forced() {
   static std::atomic<int> n{0};
@@ -627,7 +636,10 @@ void gemm_path(GemmPath p, const PackedWeight& w, const float* x, int64_t m, int
   void (*kernel)(const GemmArgs&, int64_t, int64_t, float*) = nullptr;
   switch (p) {
     case GemmPath::ref: kernel = detail::gemm_blocks_ref; break;
-    case GemmPath::avx2: kernel = detail::gemm_blocks_avx2; break;
+    case GemmPath::avx2:
+      kernel = a.kind == detail::kQ4 && m >= kAvxVnniRows && mx_avx_vnni() ? detail::gemm_blocks_q4_avxvnni
+                                                                             : detail::gemm_blocks_avx2;
+      break;
     case GemmPath::avx512:
       kernel = a.kind == detail::kQ4 && mx_vnni() ? detail::gemm_blocks_q4_vnni : detail::gemm_blocks_avx512;
       break;

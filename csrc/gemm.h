@@ -111,11 +111,17 @@ bool set_mx_tiles(bool enabled);
 bool mx_tiles();
 
 // The avx512 path sums MXFP4 x Q8 products with vpdpbusd when the CPU has AVX512-VNNI (same bits
-// as vpmaddubsw), and the draft copy's attention its INT4 K scores with vpdpwssd (attention_q8_impl.h).
-// set_mx_vnni(false) forces vpmaddubsw (tests, A/B benchmarks); returns the
-// previous setting. mx_vnni(): VNNI is available and enabled.
+// as vpmaddubsw), and the draft copy's attention its INT4 K scores with vpdpwssd (attention_q8_impl.h);
+// the avx2 path its MXFP4 sums with AVX-VNNI's vpdpbusd on ymm where the CPU has that (CPUs with
+// AVX2 and no AVX-512: Sierra Forest Xeons, Alder Lake and later cores; gemm_q4_avxvnni.cpp).
+// The avx2 path takes AVX-VNNI from kAvxVnniRows rows: below, vpmaddubsw measured faster (the
+// same bits either way). set_mx_vnni(false) forces vpmaddubsw on both (tests, A/B benchmarks);
+// returns the previous setting. mx_vnni(): the avx512 path's VNNI is available and enabled;
+// mx_avx_vnni(): the avx2 path's.
 bool set_mx_vnni(bool enabled);
 bool mx_vnni();
+bool mx_avx_vnni();
+constexpr int64_t kAvxVnniRows = 3;
 
 // The avx512_bf16 path's BF16 GEMM sums each k pair with vdpbf16ps, or from kBf16FmaRows rows
 // with two FMAs under FTZ | DAZ, odd element first (gemm_bf16fma_avx512.cpp): vdpbf16ps's

@@ -215,9 +215,13 @@ void bind_gemm(py::module_& m) {
   m.attr("BF16_FMA_ROWS") = kBf16FmaRows;
   m.def("set_mx_vnni", &set_mx_vnni, py::arg("enabled"),
         "Let the avx512 path sum MXFP4 x Q8 products with vpdpbusd (and the draft copy's attention "
-        "its INT4 K scores with vpdpwssd) where the CPU has AVX512-VNNI (default; the same bits); "
-        "returns the previous setting");
+        "its INT4 K scores with vpdpwssd) where the CPU has AVX512-VNNI, and the avx2 path where it has "
+        "AVX-VNNI (default; the same bits); returns the previous setting");
   m.def("mx_vnni", &mx_vnni, "Whether those sums use VNNI (available and enabled)");
+  m.def("mx_avx_vnni", &mx_avx_vnni,
+        "Whether the avx2 path sums MXFP4 x Q8 products with AVX-VNNI from AVX_VNNI_ROWS rows (available and "
+        "enabled; set_mx_vnni switches it too)");
+  m.attr("AVX_VNNI_ROWS") = kAvxVnniRows;
   m.def("set_mx_row_blocks", &set_mx_row_blocks, py::arg("n"),
         "Row blocks the VNNI MXFP4 kernel streams at once: 1, 2 or 4 at every M, or 0 for the choice "
         "by CPU (csrc/gemm.h; the same bits either way); returns the previous setting");

@@ -115,6 +115,7 @@ void gemm_blocks_bf16_fma(const GemmArgs& a, int64_t nb0, int64_t nb1, float* ac
 void gemm_blocks_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);
 void gemm_blocks_amx_swiglu(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // gate blocks [nb0, nb1)
 void gemm_blocks_q4_vnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ4, AVX512-VNNI
+void gemm_blocks_q4_avxvnni(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);  // kQ4, AVX-VNNI (avx2 path)
 void gemm_blocks_q4_amx(const GemmArgs& a, int64_t nb0, int64_t nb1, float* acc);   // kQ4, AMX-INT8 tiles / VNNI
 // x rows -> xi8 / xrow of the amx MXFP4 kernel (gemm_q4_amx.cpp)
 void quantize_x_i8x2(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t kq, int8_t* out, float* rowf,

@@ -278,22 +278,29 @@ def test_mxfp4_vnni_row_blocks_keep_the_bits(rng):
                 _C.set_mx_row_blocks(old)
 
 
-def test_mxfp4_avx2_streams_keep_the_bits(rng):
-    """The AVX2 MXFP4 kernel at one row reads one or two row blocks' streams (mx_row_blocks, per
-    CPU): ref's bits either way, with odd block counts (72 outputs: 4 blocks and a half; 40: 2 and
-    a half) leaving a single block at the end."""
+def test_mxfp4_avx2_tiles_keep_the_bits(rng):
+    """The AVX2 MXFP4 kernel with vpmaddubsw and, where the CPU has AVX-VNNI (or under emulation),
+    with vpdpbusd on ymm: ref's bits at every row tile shape, and at one row with one or two row
+    blocks' streams (mx_row_blocks, per CPU), odd block counts (72 outputs: 4 blocks and a half;
+    40: 2 and a half) leaving a single block at the end."""
+    info = _C.cpu_info()
+    assert _C.mx_avx_vnni() == (info["features"]["avx_vnni"] or info["isa_emulation"])  # on by default
     for n_out in (72, 40, 16):
         pw, _ = make_weight(rng, "mxfp4", n_out, 1000)
         if "avx2" not in _C.gemm_paths(pw, 1):
             pytest.skip("no avx2 path at this ISA level")
-        x = rng.standard_normal((1, 1000)).astype(np.float32)
-        yref = _C.gemm(pw, x, path="ref")
-        for n in (1, 2, 4, 0):
-            old = _C.set_mx_row_blocks(n)
-            try:
-                np.testing.assert_array_equal(_C.gemm(pw, x, path="avx2"), yref, err_msg=f"n={n_out} blocks={n}")
-            finally:
-                _C.set_mx_row_blocks(old)
+        for m in (1, 2, 3, 4, 5, 8, 9, 17) if n_out == 72 else (1,):
+            x = rng.standard_normal((m, 1000)).astype(np.float32)
+            yref = _C.gemm(pw, x, path="ref")
+            for vnni in (False, True):
+                for n in (1, 2, 4, 0) if m == 1 else (0,):
+                    old, old_vnni = _C.set_mx_row_blocks(n), _C.set_mx_vnni(vnni)
+                    try:
+                        np.testing.assert_array_equal(_C.gemm(pw, x, path="avx2"), yref,
+                                                      err_msg=f"n={n_out} m={m} vnni={vnni} blocks={n}")
+                    finally:
+                        _C.set_mx_row_blocks(old)
+                        _C.set_mx_vnni(old_vnni)
 
 
 @pytest.mark.parametrize("n", [-1, 3, 8])

@@ -11,7 +11,8 @@
 // reproduces it on Intel needs.
 // AMX: eight software tile registers per thread, configured by the 64-byte TILECFG layout;
 // TDPBF16PS follows the SDM pseudo-code (fp32 products of bf16 pairs, even element first).
-// AVX512-VNNI (vpdpbusd) and VBMI (vpermb) come from SIMDe.
+// AVX512-VNNI (vpdpbusd) and VBMI (vpermb) come from SIMDe, AVX-VNNI's vpdpbusd on ymm (the same
+// operation, VEX-encoded) too.
 #pragma once
 #include <immintrin.h>
 
@@ -262,6 +263,8 @@ inline void tile_dpbssd(int c, int a, int b) {
 #define _mm512_cvtne2ps_pbh(a, b) qspec_emu::cvtne2ps_pbh(a, b)
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps(src, a, b) qspec_emu::dpbf16_ps(src, a, b)
+#define _mm256_dpbusd_avx_epi32(src, a, b) _mm256_dpbusd_epi32(src, a, b)  // SIMDe's (AVX512VL + VNNI)
+
 #undef _tile_loadconfig
 #define _tile_loadconfig(cfg) qspec_emu::tile_loadconfig(cfg)
 #undef _tile_release
