@@ -114,7 +114,7 @@ bool mx_tiles();
 // as vpmaddubsw), and the draft copy's attention its INT4 K scores with vpdpwssd (attention_q8_impl.h);
 // the avx2 path its MXFP4 sums with AVX-VNNI's vpdpbusd on ymm where the CPU has that (CPUs with
 // AVX2 and no AVX-512: Sierra Forest Xeons, Alder Lake and later cores; gemm_q4_avxvnni.cpp).
-// The avx2 path takes AVX-VNNI from kAvxVnniRows rows: below, vpmaddubsw measured faster (the
+// The avx2 path takes AVX-VNNI from kAvxVnniRows rows: below, VNNI measured no faster (the
 // same bits either way). set_mx_vnni(false) forces vpmaddubsw on both (tests, A/B benchmarks);
 // returns the previous setting. mx_vnni(): the avx512 path's VNNI is available and enabled;
 // mx_avx_vnni(): the avx2 path's.
