@@ -176,6 +176,7 @@ const char* attn_path_name(AttnPath p) {
     case AttnPath::avx2: return "avx2";
     case AttnPath::avx512: return "avx512";
     case AttnPath::amx: return "amx";
+    case AttnPath::avx512_bf16: return "avx512_bf16";
   }
   return "?";
 }
@@ -191,6 +192,7 @@ bool attn_supports(AttnPath p, const AttnArgs& a) {
     case AttnPath::avx512:
       return int(isa_selected()) >= int(Isa::avx512) && a.kv.head_dim % 8 == 0;
     case AttnPath::amx: return int(isa_selected()) >= int(Isa::amx) && a.kv.head_dim % 8 == 0;
+    case AttnPath::avx512_bf16: return int(isa_selected()) >= int(Isa::avx512_bf16) && a.kv.head_dim % 32 == 0;
   }
   return false;
 }
@@ -204,11 +206,24 @@ std::atomic<bool>& amx_attention_enabled() {
 
 bool set_attn_amx(bool enabled) { return amx_attention_enabled().exchange(enabled); }
 
-// Depends on the ISA level, head_dim and set_attn_amx only — never on m or positions (invariant 2).
+namespace {
+std::atomic<bool>& bf16_attention_enabled() {
+  static std::atomic<bool> on{env_switch("QSPEC_ATTN_DOT", "dpbf16", "fma", cpu_features().vendor != "GenuineIntel")};
+  return on;
+}
+}  // namespace
+
+bool set_attn_bf16(bool enabled) { return bf16_attention_enabled().exchange(enabled); }
+bool attn_bf16() { return bf16_attention_enabled().load(std::memory_order_relaxed); }
+
+// Depends on the ISA level, head_dim and the two switches only — never on m or positions
+// (invariant 2).
 AttnPath attn_choose(const AttnArgs& a) {
-  for (AttnPath p : {AttnPath::amx, AttnPath::avx512, AttnPath::avx2})
-    if (attn_supports(p, a) && (p != AttnPath::amx || amx_attention_enabled().load(std::memory_order_relaxed)))
-      return p;
+  for (AttnPath p : {AttnPath::amx, AttnPath::avx512_bf16, AttnPath::avx512, AttnPath::avx2}) {
+    if (p == AttnPath::amx && !amx_attention_enabled().load(std::memory_order_relaxed)) continue;
+    if (p == AttnPath::avx512_bf16 && !attn_bf16()) continue;
+    if (attn_supports(p, a)) return p;
+  }
   return AttnPath::ref;
 }
 
@@ -534,6 +549,7 @@ void attention_path(AttnPath p, const AttnArgs& a) {
     case AttnPath::avx2: run_grouped(q8 ? attn_group_q8_avx2 : attn_group_avx2, a); break;
     case AttnPath::avx512: run_grouped(q8 ? q8_avx512 : attn_group_avx512, a); break;
     case AttnPath::amx: run_grouped(q8 ? attn_group_q8_amx : attn_group_amx, a, kAttnUnitPairsAmx); break;
+    case AttnPath::avx512_bf16: run_grouped(q8 ? q8_avx512 : attn_group_avx512_bf16, a); break;
   }
 }
 
@@ -547,9 +563,9 @@ namespace py = pybind11;
 namespace {
 
 AttnPath attn_path_from_name(const std::string& name) {
-  for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512, AttnPath::amx})
+  for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512, AttnPath::avx512_bf16, AttnPath::amx})
     if (name == attn_path_name(p)) return p;
-  throw std::invalid_argument("attention path '" + name + "' is not one of ref, avx2, avx512, amx");
+  throw std::invalid_argument("attention path '" + name + "' is not one of ref, avx2, avx512, avx512_bf16, amx");
 }
 
 // A probe AttnArgs with the given head_dim, for the shape-independent questions from Python.
@@ -700,7 +716,7 @@ void bind_attention(py::module_& m) {
   m.def("attn_paths", [] {
     std::vector<std::string> names;
     AttnArgs a = probe_args(64);
-    for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512, AttnPath::amx})
+    for (AttnPath p : {AttnPath::ref, AttnPath::avx2, AttnPath::avx512, AttnPath::avx512_bf16, AttnPath::amx})
       if (attn_supports(p, a)) names.push_back(attn_path_name(p));
     return names;
   }, "Attention paths usable at the selected ISA level (for head_dim a multiple of 8)");
@@ -709,6 +725,11 @@ void bind_attention(py::module_& m) {
         "Let attention() take the AMX path at the amx level (default True); False: the AVX-512 one. "
         "Returns the previous setting. For A/B runs: set it before loading a model, not between a "
         "generation's passes (plain and speculative passes must take the same path)");
+  m.def("set_attn_bf16", &set_attn_bf16, py::arg("enabled"),
+        "Let attention() take the avx512_bf16 path (vdpbf16ps, BF16 q and weights) at its level; False: the "
+        "FP32 avx512 one. Default from QSPEC_ATTN_DOT=dpbf16|fma, unset: not on Intel. Returns the previous "
+        "setting; set it before loading a model, as set_attn_amx");
+  m.def("attn_bf16", &attn_bf16, "Whether attention() takes the avx512_bf16 path at its level");
   m.def("attn_choose", [](int64_t head_dim) {
     if (head_dim <= 0) throw std::invalid_argument("attn_choose: head_dim must be positive");
     return std::string(attn_path_name(attn_choose(probe_args(head_dim))));

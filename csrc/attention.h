@@ -300,11 +300,17 @@ struct AttnTreePaths {
   AttnTreePaths& operator=(const AttnTreePaths&) = delete;
 };
 
-enum class AttnPath : int { ref = 0, avx2 = 1, avx512 = 2, amx = 3 };
+// avx512_bf16: the avx512 kernels with BF16 operands for both products (vdpbf16ps; q and the
+// softmax weights rounded to BF16 as on the amx path), head_dim a multiple of 32.
+enum class AttnPath : int { ref = 0, avx2 = 1, avx512 = 2, amx = 3, avx512_bf16 = 4 };
 const char* attn_path_name(AttnPath p);
 bool attn_supports(AttnPath p, const AttnArgs& a);
 AttnPath attn_choose(const AttnArgs& a);  // by isa_selected(); never changes with m
 bool set_attn_amx(bool enabled);          // amx path allowed (default); returns the previous value
+// avx512_bf16 path chosen at its level (QSPEC_ATTN_DOT=dpbf16 | fma; unset: where vdpbf16ps issues
+// at the FMAs' rate or faster, i.e. not on Intel: csrc/gemm.h bf16_fma); returns the previous value.
+bool set_attn_bf16(bool enabled);
+bool attn_bf16();
 void attention(const AttnArgs& a);         // dispatches
 // Per-thread FP32 scratch of at least n floats, 64-byte aligned, reused across calls.
 float* attn_thread_scratch(int64_t n);
@@ -386,6 +392,8 @@ void attn_group_avx2(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_
                      const AttnPartials& part);
 void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                        int64_t seg, const AttnPartials& part);
+void attn_group_avx512_bf16(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
+                            int64_t seg, const AttnPartials& part);
 // QKᵀ and PV on AMX-BF16 tiles (csrc/x86/attention_amx.cpp); the draft copy keeps the AVX-512 kernels.
 void attn_group_amx(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
                     const AttnPartials& part);

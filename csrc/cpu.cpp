@@ -158,4 +158,12 @@ Isa isa_from_name(const std::string& name) {
                               "' is not one of scalar, avx2, avx512, avx512_bf16, amx");
 }
 
+bool env_switch(const char* var, const char* on, const char* off, bool unset) {
+  const char* env = std::getenv(var);
+  if (!env || !*env) return unset;
+  if (std::string(env) == on) return true;
+  if (std::string(env) == off) return false;
+  throw std::invalid_argument(std::string(var) + "='" + env + "' is not one of " + on + ", " + off);
+}
+
 }  // namespace qspec

@@ -31,5 +31,8 @@ Isa set_isa_limit(Isa limit);
 const char* isa_name(Isa isa);
 // Throws std::invalid_argument on an unknown name.
 Isa isa_from_name(const std::string& name);
+// A process-wide switch read from the environment variable `var`: `on` or `off`; unset or empty:
+// `unset`; anything else is a user error (std::invalid_argument naming the choices).
+bool env_switch(const char* var, const char* on, const char* off, bool unset);
 
 }  // namespace qspec

@@ -358,15 +358,6 @@ std::atomic<bool>& vnni_enabled() {
   static std::atomic<bool> on{true};
   return on;
 }
-// A process-wide switch read from the environment at first use: `on` or `off`, unset or empty:
-// `unset`; anything else is a user error (a ValueError naming the choices).
-bool env_switch(const char* var, const char* on, const char* off, bool unset) {
-  const char* env = std::getenv(var);
-  if (!env || !*env) return unset;
-  if (std::string(env) == on) return true;
-  if (std::string(env) == off) return false;
-  throw std::invalid_argument(std::string(var) + "='" + env + "' is not one of " + on + ", " + off);
-}
 // QSPEC_MX_PATH=amx starts a process with MXFP4 on the amx path at the amx level (wide trees,
 // A/B runs of whole programs); avx512 or unset: the avx512 path.
 std::atomic<bool>& tiles_enabled() {

@@ -11,13 +11,14 @@ import functools
 import numpy as np
 import pytest
 
+from attn_shapes import head_dim_for, shape_for
 from qspec import _C
 
 PATHS = _C.attn_paths()
 
 # Paths that round q and the softmax weights to BF16 for their products (csrc/x86/attention_amx.cpp,
 # as BF16 flash attention does); each is checked against the oracle with the same roundings.
-BF16_OPERAND_PATHS = {"amx"}
+BF16_OPERAND_PATHS = {"amx", "avx512_bf16"}
 # FP32 accumulation over up to ~1000 keys against a float64 oracle; outputs are O(1).
 TOL_F32_VS_F64 = dict(rtol=1e-4, atol=3e-5)
 # Long contexts (tens of thousands of keys) accumulate more FP32 rounding in Σ e_j · V_j.
@@ -179,12 +180,17 @@ def test_matches_float64_llama_ref_full(m, start_pos):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("head_dim", [8, 24, 72, 120])  # every column split of the fast V pass
+@pytest.mark.parametrize("head_dim", [8, 24, 72, 96, 120, 160])  # every column split of the fast V pass
 @pytest.mark.parametrize("heads", [(6, 2), (5, 1)])
 def test_awkward_head_dims(path, head_dim, heads):
     n_heads, kv_heads = heads
     kv = make_cache(kv_heads, head_dim)
     q = make_q(7, n_heads, head_dim)
+    if head_dim_for(path, head_dim) != head_dim:
+        with pytest.raises(ValueError, match="not usable here"):
+            _C.attention(q, kv, 0, 15, path=path)
+        assert _C.attn_choose(head_dim) != path
+        return
     got = _C.attention(q, kv, 0, 15, path=path)
     assert_matches(path, got, expected(path, q, kv, 0, 15), kv)
 
@@ -359,7 +365,7 @@ def _q_at(p, n_heads, head_dim):
 def test_batched_rows_bit_identical_to_m1(path, shape_name, threads):
     if path == "ref" and shape_name == "llama3_8b":
         pytest.skip("scalar reference on 32/8/128: covered by test_row_independent_of_batch")
-    n_heads, kv_heads, head_dim = GRID_SHAPES[shape_name]
+    n_heads, kv_heads, head_dim = shape_for(path, GRID_SHAPES[shape_name])
     kv = make_cache(kv_heads, head_dim, max_seq=640)
     last = max(GRID_START_POS) + max(GRID_MS)
     qs = np.stack([_q_at(p, n_heads, head_dim) for p in range(last)])

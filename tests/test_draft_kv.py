@@ -260,7 +260,8 @@ def make_cache(max_seq, kv_heads, head_dim, seed=0, fmt="int8", final=None):
 
 # The paths whose INT4 K scores are integer dot products over a rounded q (csrc/x86/
 # attention_q8_impl.h, k4_table: the AVX-512 builds); ref and avx2 score the dequantized values.
-INT_K_PATHS = {"avx512", "amx"}
+# (avx512_bf16 runs the avx512 path's copy kernels.)
+INT_K_PATHS = {"avx512", "avx512_bf16", "amx"}
 # The path whose INT4 V pass runs on AMX-BF16 tiles, each weight w * scale rounded to BF16 once
 # (relative 2^-9): |error| <= 2^-9 * max|v| on top of TOL_F32_VS_F64.
 V4_TILE_PATHS = {"amx"}
@@ -408,8 +409,9 @@ def test_recent_keys_against_f64(path, recent, window, sinks, start_pos, m, fmt)
         assert not np.array_equal(got, _C.attention(q, kv, 1, start_pos, path=path, q8=q8, window=window,
                                                     sinks=sinks))
     else:  # every key is recent: the BF16 rows' attention, within FP32 (the copy's kernels compute
-        # in FP32; the amx path's own BF16 attention rounds q and the weights: its FP32 twin is avx512)
-        fp32 = "avx512" if path == "amx" else path
+        # in FP32; the amx and avx512_bf16 paths' own BF16 attention rounds q and the weights: their
+        # FP32 twin is avx512)
+        fp32 = "avx512" if path in ("amx", "avx512_bf16") else path
         np.testing.assert_allclose(got, _C.attention(q, kv, 1, start_pos, path=fp32), **TOL_F32_VS_F64)
 
 

@@ -5,6 +5,7 @@ level; KVCache.move_rows turns the accepted path into linear rows; malformed tre
 import numpy as np
 import pytest
 
+from attn_shapes import shape_for
 import qspec
 from qspec import _C
 from qspec.draft import DraftSpec
@@ -54,7 +55,7 @@ def bits(x):
 def check_tree_vs_linear(path, shape, prefix, n, m, seed, max_width=3, window=0):
     """Rows = the last m of n tree nodes at slots prefix..; each == the linear step over its path
     (with a sliding window: over the same last `window` logical keys)."""
-    n_heads, kv_heads, hd = shape
+    n_heads, kv_heads, hd = shape_for(path, shape)
     rng = np.random.default_rng(seed)
     parents, _ = random_parents(rng, prefix, n, max_width)
     kv = make_cache(prefix + n + 1, kv_heads, hd, seed)

@@ -87,7 +87,9 @@ void convert_block(const uint16_t* src, int64_t stride, int64_t nk, int64_t nk_p
 // transpose of the rows' BF16 pairs (dwords), then each pair's even dim (<< 16) and odd dim (its
 // high half). ldk >= round16(nk), a multiple of 16.
 // Rows ahead[t · stride], t < n_ahead, are prefetched as convert_block does.
-template <class Row>
+// Pairs (the avx512_bf16 path): kt[dp · ldk + t] = the BF16 pair (dims 2dp, 2dp + 1) of key t as one
+// dword, vdpbf16ps's operand, unconverted.
+template <bool Pairs = false, class Row>
 void transpose_block(Row&& row, int64_t nk, int64_t hd, float* kt, int64_t ldk,
                      const uint16_t* ahead = nullptr, int64_t stride = 0, int64_t n_ahead = 0) {
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
@@ -99,6 +101,10 @@ void transpose_block(Row&& row, int64_t nk, int64_t hd, float* kt, int64_t ldk,
       for (int64_t t = 0; t < 16; ++t)
         r[t] = t0 + t < nk ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(cols, row(t0 + t) + c)) : _mm512_setzero_ps();
       avx512::transpose16(r);  // r[j]: dims c + 2j, c + 2j + 1 of keys t0 .. t0 + 15
+      if constexpr (Pairs) {
+        for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (c / 2 + j) * ldk + t0, r[j]);
+        continue;
+      }
       for (int64_t j = 0; j < 16 && c + 2 * j < hd; ++j) {
         const __m512i w = _mm512_castps_si512(r[j]);
         _mm512_storeu_ps(kt + (c + 2 * j) * ldk + t0, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
@@ -119,20 +125,25 @@ inline void in_register(__m512& v) {
 // Scores (unscaled) of P pairs (q rows) x KB blocks of 16 keys (columns kt[d · ldk + 16 kb ..]):
 // per lane one FMA chain over d = 0 .. hd - 1 in order; out[p · KB + kb]. P · KB <= 12 chains in
 // flight (two FMAs a cycle at a latency of 4 need 8).
-template <int P, int KB>
+// BF (the avx512_bf16 path): q[p] and kt hold BF16 pairs (dwords), one vdpbf16ps chain per lane
+// over the dim pairs dp = 0 .. hd / 2 - 1 in order.
+template <int P, int KB, bool BF>
 void scores_t(const float* const* q, const float* kt, int64_t ldk, int64_t hd, __m512* out) {
   __m512 acc[P][KB];
   for (int p = 0; p < P; ++p)
     for (int b = 0; b < KB; ++b) acc[p][b] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < hd; ++d) {
+  for (int64_t d = 0; d < (BF ? hd / 2 : hd); ++d) {
     __m512 k[KB];
     for (int b = 0; b < KB; ++b) {
       k[b] = _mm512_loadu_ps(kt + d * ldk + 16 * b);
       if constexpr (P > 1) in_register(k[b]);
     }
     for (int p = 0; p < P; ++p) {
-      const __m512 qd = _mm512_set1_ps(q[p][d]);
-      for (int b = 0; b < KB; ++b) acc[p][b] = _mm512_fmadd_ps(qd, k[b], acc[p][b]);
+      const __m512 qd = _mm512_set1_ps(q[p][d]);  // BF: the pair's bits, moved as they are
+      for (int b = 0; b < KB; ++b) {
+        if constexpr (BF) acc[p][b] = _mm512_dpbf16_ps(acc[p][b], (__m512bh)k[b], (__m512bh)qd);
+        else acc[p][b] = _mm512_fmadd_ps(qd, k[b], acc[p][b]);
+      }
     }
   }
   for (int p = 0; p < P; ++p)
@@ -141,24 +152,28 @@ void scores_t(const float* const* q, const float* kt, int64_t ldk, int64_t hd, _
 
 constexpr int kMaxChains = 12;
 using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, __m512*);
-template <int P, int KB>
+template <int P, int KB, bool BF>
 constexpr ScoresFn scores_or_null() {
-  if constexpr (P * KB <= kMaxChains) return scores_t<P, KB>;
+  if constexpr (P * KB <= kMaxChains) return scores_t<P, KB, BF>;
   else return nullptr;
 }
-// kScores[P - 1][KB - 1], P <= 12, KB <= 4, P · KB <= kMaxChains.
-template <int... I>
+// kScores<BF>[P - 1][KB - 1], P <= 12, KB <= 4, P · KB <= kMaxChains.
+template <bool BF, int... I>
 constexpr auto scores_table(std::integer_sequence<int, I...>) {
-  return std::array<std::array<ScoresFn, 4>, sizeof...(I)>{
-      {{scores_or_null<I + 1, 1>(), scores_or_null<I + 1, 2>(), scores_or_null<I + 1, 3>(), scores_or_null<I + 1, 4>()}...}};
+  return std::array<std::array<ScoresFn, 4>, sizeof...(I)>{{{scores_or_null<I + 1, 1, BF>(), scores_or_null<I + 1, 2, BF>(),
+                                                              scores_or_null<I + 1, 3, BF>(), scores_or_null<I + 1, 4, BF>()}...}};
 }
-constexpr auto kScores = scores_table(std::make_integer_sequence<int, kMaxChains>{});
+template <bool BF>
+constexpr auto kScores = scores_table<BF>(std::make_integer_sequence<int, kMaxChains>{});
 
 // Pass 3 for NC·16 columns of NP pairs over keys [j0, e) of the current V super-block (row 0 =
 // key b0); running sums in accp[p] between super-blocks (one FMA chain per column over keys 0..p
 // in order). Two pairs at once share each V load and keep 16 chains in flight (one pair's 8 are
 // at the FMA latency's limit).
-template <int NP, int NC>
+// BF (the avx512_bf16 path): j counts key pairs, w[p][j] is the BF16 weight pair of keys 2j, 2j + 1
+// (one dword) and vbuf row j - b0 the two keys' V rows interleaved (stage_v_pairs): one vdpbf16ps
+// chain per column over the key pairs in order.
+template <int NP, int NC, bool BF = false>
 inline void v_block(const float* const* w, const float* vbuf, int64_t hd, int64_t b0, int64_t j0,
                     int64_t e, float* const* accp) {
   __m512 acc[NP][NC];
@@ -171,11 +186,50 @@ inline void v_block(const float* const* w, const float* vbuf, int64_t hd, int64_
     for (int c = 0; c < NC; ++c) {
       __m512 v = _mm512_loadu_ps(vj + c * 16);
       if constexpr (NP > 1) in_register(v);
-      for (int p = 0; p < NP; ++p) acc[p][c] = _mm512_fmadd_ps(wj[p], v, acc[p][c]);
+      for (int p = 0; p < NP; ++p) {
+        if constexpr (BF) acc[p][c] = _mm512_dpbf16_ps(acc[p][c], (__m512bh)v, (__m512bh)wj[p]);
+        else acc[p][c] = _mm512_fmadd_ps(wj[p], v, acc[p][c]);
+      }
     }
   }
   for (int p = 0; p < NP; ++p)
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(accp[p] + c * 16, acc[p][c]);
+}
+
+// The avx512_bf16 path's V staging: dst[i · hd + c] (dwords) = the BF16 pair (V[key 2i][c],
+// V[key 2i + 1][c]) for i < (nk + 1) / 2, key nk zero when nk is odd; hd a multiple of 32. Rows
+// ahead[t · stride], t < n_ahead, are prefetched one per row staged.
+template <class Row>
+void stage_v_pairs(Row&& row, int64_t nk, int64_t hd, float* dst, const uint16_t* ahead = nullptr,
+                   int64_t stride = 0, int64_t n_ahead = 0) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t i = 0; 2 * i < nk; ++i) {
+    for (int64_t t = 2 * i; t < 2 * i + 2 && t < n_ahead; ++t) prefetch_row(ahead + t * stride, hd);
+    const uint16_t* r0 = row(2 * i);
+    const uint16_t* r1 = 2 * i + 1 < nk ? row(2 * i + 1) : nullptr;
+    float* d = dst + i * hd;
+    for (int64_t c = 0; c < hd; c += 32) {
+      const __m512i a = _mm512_loadu_si512(r0 + c);
+      const __m512i b = r1 ? _mm512_loadu_si512(r1 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(d + c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(d + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// dst (n / 2 dwords, n even) = src[0 .. n) rounded to BF16 pairs (vcvtne2ps2bf16). dst may be src
+// (in place: each step writes below what it has read).
+inline void round_bf16_pairs(const float* src, int64_t n, float* dst) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const __mmask16 m0 = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __mmask16 m1 = n - j >= 32 ? __mmask16(0xFFFF) : n - j > 16 ? __mmask16((1u << (n - j - 16)) - 1u) : 0;
+    const __m512 x0 = _mm512_maskz_loadu_ps(m0, src + j), x1 = _mm512_maskz_loadu_ps(m1, src + j + 16);
+    const int64_t pairs = (n - j + 1) / 2;
+    const __mmask16 mp = pairs >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << pairs) - 1u);
+    _mm512_mask_storeu_epi32(dst + j / 2, mp, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+  }
 }
 
 // The last 8 columns when head_dim % 16 == 8 (lanes 8..15 zero).
@@ -188,7 +242,7 @@ inline void v_block8(const float* w, const float* vbuf, int64_t hd, int64_t b0, 
   _mm512_mask_storeu_ps(accp, 0x00FF, acc);
 }
 
-template <int HD>
+template <int HD, bool BF>
 void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t seg,
                 const AttnPartials& part) {
   const int64_t hd = HD > 0 ? HD : a.kv.head_dim;
@@ -211,13 +265,15 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   const int64_t ldk = round16(kb);  // the transposed K block's keys
 
   // Scratch: K (transposed) / V super-block | scores per pair | V accumulators per pair | running
-  // max per pair | tree tail.
-  float* buf = scratch_floats(ldk * hd + np * sc_stride + np * hd + np * 8 + tb * hd + 64);
+  // max per pair | tree tail | BF: q rounded to BF16 pairs.
+  const int64_t qb_size = BF ? np * hd / 2 : 0;
+  float* buf = scratch_floats(ldk * hd + np * sc_stride + np * hd + np * 8 + tb * hd + qb_size + 64);
   float* kvbuf = buf;
   float* scores = kvbuf + ldk * hd;
   float* accs = scores + np * sc_stride;
   float* vmaxs = accs + np * hd;
   float* tbuf = vmaxs + np * 8;
+  float* qb = tbuf + tb * hd;
 
   auto row_of = [&](int64_t u) { return (u0 + u) / G; };
   auto head_of = [&](int64_t u) { return kvh * G + (u0 + u) % G; };
@@ -225,18 +281,22 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   auto n_of = [&](int64_t u) { return n_full(u) < kcap ? n_full(u) : kcap; };  // in this segment
 
   for (int64_t u = 0; u < np; ++u) _mm256_storeu_ps(vmaxs + u * 8, _mm256_set1_ps(-INFINITY));
+  if constexpr (BF)
+    for (int64_t u = 0; u < np; ++u)
+      round_bf16_pairs(a.q + (row_of(u) * a.n_heads + head_of(u)) * hd, hd, qb + u * (hd / 2));
 
   // Scores of pairs [ua, ua + P) over the keys of kt (lane t = key k0 + t, t < nk; ldk floats a
   // dim), · scale, stored at each pair's keys below min(k0 + nk, its n), with its running max.
   const __m512 vscale = _mm512_set1_ps(a.scale);
   auto score_group = [&](int64_t ua, int P, const float* kt, int64_t ld, int64_t k0, int64_t nk) {
     const float* q[kMaxChains];
-    for (int p = 0; p < P; ++p) q[p] = a.q + (row_of(ua + p) * a.n_heads + head_of(ua + p)) * hd;
+    for (int p = 0; p < P; ++p)
+      q[p] = BF ? qb + (ua + p) * (hd / 2) : a.q + (row_of(ua + p) * a.n_heads + head_of(ua + p)) * hd;
     const int kbmax = kMaxChains / P < 4 ? kMaxChains / P : 4;  // 16-key blocks a step
     for (int64_t c = 0; c < nk; c += 16 * kbmax) {
       const int KB = int((nk - c + 15) / 16 < kbmax ? (nk - c + 15) / 16 : kbmax);
       __m512 acc[kMaxChains];
-      kScores[P - 1][KB - 1](q, kt + c, ld, hd, acc);
+      kScores<BF>[P - 1][KB - 1](q, kt + c, ld, hd, acc);
       for (int p = 0; p < P; ++p) {
         const int64_t u = ua + p, n = n_of(u), e = n < k0 + nk ? n : k0 + nk;
         __m512 vm = _mm512_set1_ps(-INFINITY);
@@ -287,7 +347,7 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
     // the next block's K rows (after the last one: the first V block's) on their way meanwhile
     const int64_t nb0 = b1 < n_sh ? b1 : kbeg, nb1 = attn_block_end(a, nb0, kb, n_sh);
     const uint16_t* next = (b1 < n_sh ? a.kv.k(a.layer, nb0) : a.kv.v(a.layer, nb0)) + kvh * hd;
-    transpose_block([&](int64_t t) { return k0 + t * stride; }, b1 - b0, hd, kvbuf, ldk, next, stride, nb1 - nb0);
+    transpose_block<BF>([&](int64_t t) { return k0 + t * stride; }, b1 - b0, hd, kvbuf, ldk, next, stride, nb1 - nb0);
     int64_t ua = 0;  // leading pairs with no key in this block are skipped (others: masked per pair)
     while (ua < np && n_of(ua) <= b0) ++ua;
     score_pairs(ua, np, kvbuf, ldk, b0, b1 - b0);
@@ -298,8 +358,8 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
       int64_t ue = u;
       while (ue < np && row_of(ue) == r) ++ue;
       if (n > t0) {
-        transpose_block([&](int64_t t) { return a.kv.k(a.layer, attn_key_slot(a, r, t0 + t)) + kvh * hd; },
-                        n - t0, hd, tbuf, tb);
+        transpose_block<BF>([&](int64_t t) { return a.kv.k(a.layer, attn_key_slot(a, r, t0 + t)) + kvh * hd; },
+                            n - t0, hd, tbuf, tb);
         score_pairs(u, ue, tbuf, tb, t0, n - t0);
       }
       u = ue;
@@ -314,19 +374,22 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
                                         avx512::hmax8(_mm256_loadu_ps(vmaxs + u * 8)));
     sums[u * 8] = avx512::exp_pass(scores + u * sc_stride + kbeg, n_of(u) - kbeg, max_s);
     sums[u * 8 + 1] = max_s;
+    if constexpr (BF)  // pair i (keys 2i, 2i + 1) at float i of the pair's row; key n_of(u) weighs 0
+      round_bf16_pairs(scores + u * sc_stride + kbeg, n_of(u) - kbeg, scores + u * sc_stride + kbeg / 2);
   }
 
   // Pass 3: stream V once.
   for (int64_t x = 0; x < np * hd; x += 8) _mm256_storeu_ps(accs + x, _mm256_setzero_ps());
-  // Pairs u and u + np2 - 1 (np2 = 1 or 2) over keys [j0, e) of vb (row 0 = key b0).
+  // Pairs u and u + np2 - 1 (np2 = 1 or 2) over keys [j0, e) of vb (row 0 = key b0); BF: over the
+  // key pairs [j0, e) of vb (row 0 = pair b0), in these units from here on.
   auto v_keys = [&](int64_t u, int np2, const float* vb, int64_t b0, int64_t j0, int64_t e) {
     const float* w[2] = {scores + u * sc_stride, scores + (u + np2 - 1) * sc_stride};
     float* accp[2] = {accs + u * hd, accs + (u + np2 - 1) * hd};
     auto step = [&](auto nc, int64_t d) {
       constexpr int NC = decltype(nc)::value;
       float* ap[2] = {accp[0] + d, accp[1] + d};
-      if (np2 == 2) v_block<2, NC>(w, vb + d, hd, b0, j0, e, ap);
-      else v_block<1, NC>(w, vb + d, hd, b0, j0, e, ap);
+      if (np2 == 2) v_block<2, NC, BF>(w, vb + d, hd, b0, j0, e, ap);
+      else v_block<1, NC, BF>(w, vb + d, hd, b0, j0, e, ap);
     };
     int64_t d = 0;
     for (; d + 128 <= hd; d += 128) step(std::integral_constant<int, 8>{}, d);
@@ -337,8 +400,12 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   };
   // Every pair over keys [b0, min(b1, its n)) of vb, two at a time: the keys both have together,
   // then the longer one's rest (each pair's chains still run over its keys in order).
-  auto v_pairs = [&](const float* vb, int64_t b0, int64_t b1) {
-    auto end_of = [&](int64_t u) { return b1 < n_of(u) ? b1 : n_of(u); };
+  auto v_pairs = [&](const float* vb, int64_t kb0, int64_t kb1) {
+    const int64_t b0 = BF ? kb0 / 2 : kb0;  // kb0 is even
+    auto end_of = [&](int64_t u) {
+      const int64_t e = kb1 < n_of(u) ? kb1 : n_of(u);
+      return BF ? (e + 1) / 2 : e;  // a pair's odd end: its key e weighs 0
+    };
     for (int64_t u = 0; u < np; u += 2) {
       const int64_t e0 = end_of(u), e1 = u + 1 < np ? end_of(u + 1) : b0;
       const int64_t both = std::max(b0, std::min(e0, e1));  // [b0, both): keys of both pairs
@@ -350,16 +417,28 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
   for (int64_t b0 = kbeg, b1; b0 < n_sh; b0 = b1) {
     b1 = attn_block_end(a, b0, kb, n_sh);
     const int64_t nb1 = b1 < n_sh ? attn_block_end(a, b1, kb, n_sh) : b1;
-    convert_block(a.kv.v(a.layer, b0) + kvh * hd, stride, b1 - b0, b1 - b0, hd, kvbuf,
-                  b1 < n_sh ? a.kv.v(a.layer, b1) + kvh * hd : nullptr, nb1 - b1);
+    const uint16_t* v0 = a.kv.v(a.layer, b0) + kvh * hd;
+    const uint16_t* next = b1 < n_sh ? a.kv.v(a.layer, b1) + kvh * hd : nullptr;
+    if constexpr (BF) stage_v_pairs([&](int64_t t) { return v0 + t * stride; }, b1 - b0, hd, kvbuf, next, stride, nb1 - b1);
+    else convert_block(v0, stride, b1 - b0, b1 - b0, hd, kvbuf, next, nb1 - b1);
     v_pairs(kvbuf, b0, b1);
   }
   tail_row = -1;
   if (tb > 0)
     for (int64_t u = 0; u < np; ++u) {
-      if (n_of(u) <= t0) continue;
-      load_tail(u, 1);
-      v_keys(u, 1, tbuf, t0, t0, n_of(u));
+      const int64_t n = n_of(u);
+      if (n <= t0) continue;
+      if constexpr (BF) {  // t0 is a multiple of 8
+        if (row_of(u) != tail_row) {
+          tail_row = row_of(u);
+          stage_v_pairs([&](int64_t t) { return a.kv.v(a.layer, attn_key_slot(a, tail_row, t0 + t)) + kvh * hd; },
+                        n - t0, hd, tbuf);
+        }
+        v_keys(u, 1, tbuf, t0 / 2, t0 / 2, (n + 1) / 2);
+      } else {
+        load_tail(u, 1);
+        v_keys(u, 1, tbuf, t0, t0, n);
+      }
     }
 
   // Single-segment pairs: out = acc · (1/Σ); others: this segment's partial (unnormalized).
@@ -387,9 +466,18 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                        int64_t seg, const AttnPartials& part) {
   switch (a.kv.head_dim) {
-    case 64: group_impl<64>(a, kvh, u_begin, u_end, seg, part); break;
-    case 128: group_impl<128>(a, kvh, u_begin, u_end, seg, part); break;
-    default: group_impl<0>(a, kvh, u_begin, u_end, seg, part); break;
+    case 64: group_impl<64, false>(a, kvh, u_begin, u_end, seg, part); break;
+    case 128: group_impl<128, false>(a, kvh, u_begin, u_end, seg, part); break;
+    default: group_impl<0, false>(a, kvh, u_begin, u_end, seg, part); break;
+  }
+}
+
+void attn_group_avx512_bf16(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
+                            int64_t seg, const AttnPartials& part) {
+  switch (a.kv.head_dim) {
+    case 64: group_impl<64, true>(a, kvh, u_begin, u_end, seg, part); break;
+    case 128: group_impl<128, true>(a, kvh, u_begin, u_end, seg, part); break;
+    default: group_impl<0, true>(a, kvh, u_begin, u_end, seg, part); break;
   }
 }
 
