@@ -15,6 +15,8 @@ from attn_shapes import head_dim_for, shape_for
 from qspec import _C
 
 PATHS = _C.attn_paths()
+# The paths attention() may choose: avx512_bf16 only where set_attn_bf16 allows it (not on Intel by default).
+CHOSEN = [p for p in PATHS if p != "avx512_bf16" or _C.attn_bf16()]
 
 # Paths that round q and the softmax weights to BF16 for their products (csrc/x86/attention_amx.cpp,
 # as BF16 flash attention does); each is checked against the oracle with the same roundings.
@@ -441,8 +443,8 @@ def test_paths_and_choice():
     info = _C.cpu_info()
     if not info["features"]["avx512f"] and not info["isa_emulation"]:
         assert "avx512" not in PATHS
-    assert _C.attn_choose(64) == PATHS[-1]
-    assert _C.attn_choose(128) == PATHS[-1]
+    assert _C.attn_choose(64) == CHOSEN[-1]
+    assert _C.attn_choose(128) == CHOSEN[-1]
 
 
 def test_isa_limit_restricts_paths():
@@ -567,10 +569,29 @@ def test_bad_page_table(bad, match):
 def test_amx_attention_can_be_switched_off():
     before = _C.set_attn_amx(False)
     try:
-        want = [p for p in PATHS if p != "amx"][-1]
+        want = [p for p in CHOSEN if p != "amx"][-1]
         assert _C.attn_choose(64) == want and _C.attn_choose(128) == want
         kv, q = make_cache(2, 64), make_q(3, 6, 64)
         assert np.array_equal(_C.attention(q, kv, 0, 20), _C.attention(q, kv, 0, 20, path=want))
     finally:
         _C.set_attn_amx(before)
-    assert _C.attn_choose(64) == PATHS[-1]
+    assert _C.attn_choose(64) == CHOSEN[-1]
+
+
+@pytest.mark.skipif("avx512_bf16" not in PATHS, reason="no avx512_bf16 level here")
+def test_bf16_attention_switch():
+    """set_attn_bf16 picks the avx512_bf16 path (BF16 operands) or the FP32 avx512 one at that level,
+    and attention() then gives that path's bits; head dims not a multiple of 32 take avx512 either way."""
+    amx = _C.set_attn_amx(False)
+    before = _C.set_attn_bf16(True)
+    try:
+        kv, q = make_cache(2, 64), make_q(3, 6, 64)
+        for on, want in ((True, "avx512_bf16"), (False, "avx512")):
+            _C.set_attn_bf16(on)
+            assert _C.attn_bf16() == on and _C.attn_choose(64) == want and _C.attn_choose(24) == "avx512"
+            assert np.array_equal(_C.attention(q, kv, 0, 20), _C.attention(q, kv, 0, 20, path=want))
+        assert not np.array_equal(_C.attention(q, kv, 0, 20, path="avx512"),
+                                  _C.attention(q, kv, 0, 20, path="avx512_bf16"))
+    finally:
+        _C.set_attn_bf16(before)
+        _C.set_attn_amx(amx)
