@@ -442,7 +442,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
-    from . import cpu_info
+    from . import _C, cpu_info
 
     info = cpu_info()
     print(f"cpu        {info['vendor']} {info['model']}")
@@ -452,10 +452,10 @@ def _cmd_info(a: argparse.Namespace) -> int:
     print(f"isa        detected {info['isa_detected']}, selected {info['isa_selected']} "
           f"(levels: {', '.join(info['isa_levels'])}; QSPEC_ISA lowers it)")
     if info["isa_selected"] == "avx512_bf16":  # the level's BF16 sums (csrc/gemm.h: bf16_fma)
-        from . import _C
-
         dot = f"FMAs from {_C.BF16_FMA_ROWS} rows, vdpbf16ps below (the same bits)" if _C.bf16_fma() else "vdpbf16ps"
         print(f"bf16 dot   {dot}; QSPEC_BF16_DOT=fma|dpbf16 sets it")
+    print(f"attention  {_C.attn_choose(128)} path (head_dim 128; QSPEC_ATTN_DOT=dpbf16|fma: BF16 operands "
+          f"or FP32 FMAs at the avx512_bf16 level)")
     print(f"threads    {info['threads']}")
     from .engine import DEFAULT_DRAFT, SMALL_MODEL_DRAFT, SMALL_MODEL_PARAMS, default_tree
 

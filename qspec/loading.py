@@ -118,8 +118,9 @@ def load(model: str | Path | None = None, draft: str | DraftSpec | None = "auto"
         _C.set_num_threads(threads)
         if "torch" in sys.modules:  # else load_weights sets it if it reads the checkpoint with torch
             sys.modules["torch"].set_num_threads(threads)
-    _C.mx_tiles()  # a bad QSPEC_MX_PATH (or QSPEC_BF16_DOT below) is a ValueError here, before any file is read
+    _C.mx_tiles()  # a bad QSPEC_MX_PATH (or QSPEC_BF16_DOT, QSPEC_ATTN_DOT below) is a ValueError here, before any file is read
     _C.bf16_fma()
+    _C.attn_bf16()
     if backend not in ("native", "torch"):
         raise ValueError(f"backend must be 'native' or 'torch', got {backend!r}")
     from .native import DRAFT_KV_MODES, check_draft_sparse, check_draft_window, draft_copy_format
