@@ -31,6 +31,8 @@ from test_speculative import _chi2_pvalue
 
 HERE = Path(__file__).resolve().parent
 ISA_LEVELS = _C.cpu_info()["isa_levels"]
+# TP logits against one process, relative to the largest: within 1.5 BF16 steps (check_suite)
+TP_REL_ERR_TARGET = 6e-3
 
 
 def tiny(out: Path, seed: int = 7, **kw) -> Path:
@@ -147,9 +149,10 @@ def test_world_size_checks(monkeypatch):
 # ------------------------------------------------------------------ in 2 ranks
 def check_suite(r: dict) -> None:
     # the split K sums (ranks' partials added in rank order) differ from one chain only by rounding,
-    # which the BF16 K/V cache rows can turn into a 2^-8 step and the MX draft into a quantization step
+    # which the BF16 K/V cache rows (and the BF16 q and softmax weights of the amx and avx512_bf16
+    # attention) can turn into a 2^-8 step (0.0039) and the MX draft into a quantization step
     # (test_tp_each_depth_matches_one_process: the same at depths 1 and 2)
-    assert r["rel_err_target"] < 2e-3 and r["rel_err_draft"] < 2e-2, r
+    assert r["rel_err_target"] < TP_REL_ERR_TARGET and r["rel_err_draft"] < 2e-2, r
     assert r["batch_invariant"], "a row's TP logits depend on the rows beside it"
     for name, eq in r["greedy_equal"].items():
         assert all(eq), f"greedy speculative ({name}) != greedy plain under TP: {eq}"
@@ -170,7 +173,7 @@ def test_tp_suite(tiny_model, isa):
 def test_tp_each_depth_matches_one_process(tmp_path, layers):
     """The output after 1 and 2 layers (models of that depth) within rounding of one process."""
     r = run_worker("logits", tiny(tmp_path, seed=11, n_layers=layers), 2)
-    assert r["rel_err_target"] < 2e-3 and r["rel_err_draft"] < 2e-2, r
+    assert r["rel_err_target"] < TP_REL_ERR_TARGET and r["rel_err_draft"] < 2e-2, r
 
 
 def test_tp_gloo_transport_gives_the_same_bits(tiny_model):
