@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from attn_shapes import head_dim_for, shape_for
+from env_switch import assert_env_switch
 from qspec import _C
 
 PATHS = _C.attn_paths()
@@ -581,20 +582,8 @@ def test_amx_attention_can_be_switched_off():
 def test_attn_dot_default_and_env():
     """BF16 operands by default where vdpbf16ps is full rate (not Intel); QSPEC_ATTN_DOT picks a
     process's choice (dpbf16 | fma) and any other value is one CLI line naming the choices."""
-    import os
-    import subprocess
-    import sys
-
     assert _C.attn_bf16() == (_C.cpu_info()["vendor"] != "GenuineIntel")
-    code = "from qspec import _C; print(_C.attn_bf16())"
-    for value, want in (("dpbf16", "True"), ("fma", "False")):
-        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "QSPEC_ATTN_DOT": value},
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
-    r = subprocess.run([sys.executable, "-m", "qspec", "generate", "hi", "--max-new-tokens", "2"],
-                       env={**os.environ, "QSPEC_ATTN_DOT": "amx"}, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
-        "qspec: error: QSPEC_ATTN_DOT='amx' is not one of dpbf16, fma"], r.stderr
+    assert_env_switch("QSPEC_ATTN_DOT", "attn_bf16", "dpbf16", "fma")
 
 
 @pytest.mark.skipif("avx512_bf16" not in PATHS, reason="no avx512_bf16 level here")

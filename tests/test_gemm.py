@@ -5,11 +5,10 @@ The MX element decoding here is written from the format table (MX.md), independe
 qspec/mx.py and csrc/mx.*.
 """
 
-import os
-
 import numpy as np
 import pytest
 
+from env_switch import assert_env_switch
 from qspec import _C
 
 MX_FORMATS = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8"]
@@ -206,19 +205,8 @@ def bf16_dot(request):
 def test_bf16_dot_default_and_env():
     """FMAs by default on Intel only; QSPEC_BF16_DOT picks a process's choice (fma | dpbf16) and
     any other value is one CLI line naming the choices, before anything is loaded."""
-    import subprocess
-    import sys
-
     assert _C.bf16_fma() == (_C.cpu_info()["vendor"] == "GenuineIntel")
-    code = "from qspec import _C; print(_C.bf16_fma())"
-    for value, want in (("fma", "True"), ("dpbf16", "False")):
-        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "QSPEC_BF16_DOT": value},
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and r.stdout.strip() == want, r.stderr
-    r = subprocess.run([sys.executable, "-m", "qspec", "generate", "hi", "--max-new-tokens", "2"],
-                       env={**os.environ, "QSPEC_BF16_DOT": "amx"}, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
-        "qspec: error: QSPEC_BF16_DOT='amx' is not one of fma, dpbf16"], r.stderr
+    assert_env_switch("QSPEC_BF16_DOT", "bf16_fma", "fma", "dpbf16")
 
 
 def test_avx512_bf16_both_dots_match_ref_and_keep_rows(bf16_dot, rng):

@@ -479,22 +479,26 @@ void group_impl(const AttnArgs& a, int64_t kvh, int64_t u0, int64_t u1, int64_t 
 
 }  // namespace
 
+namespace {
+template <bool BF>
+void group_by_head_dim(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end, int64_t seg,
+                       const AttnPartials& part) {
+  switch (a.kv.head_dim) {
+    case 64: group_impl<64, BF>(a, kvh, u_begin, u_end, seg, part); break;
+    case 128: group_impl<128, BF>(a, kvh, u_begin, u_end, seg, part); break;
+    default: group_impl<0, BF>(a, kvh, u_begin, u_end, seg, part); break;
+  }
+}
+}  // namespace
+
 void attn_group_avx512(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                        int64_t seg, const AttnPartials& part) {
-  switch (a.kv.head_dim) {
-    case 64: group_impl<64, false>(a, kvh, u_begin, u_end, seg, part); break;
-    case 128: group_impl<128, false>(a, kvh, u_begin, u_end, seg, part); break;
-    default: group_impl<0, false>(a, kvh, u_begin, u_end, seg, part); break;
-  }
+  group_by_head_dim<false>(a, kvh, u_begin, u_end, seg, part);
 }
 
 void attn_group_avx512_bf16(const AttnArgs& a, int64_t kvh, int64_t u_begin, int64_t u_end,
                             int64_t seg, const AttnPartials& part) {
-  switch (a.kv.head_dim) {
-    case 64: group_impl<64, true>(a, kvh, u_begin, u_end, seg, part); break;
-    case 128: group_impl<128, true>(a, kvh, u_begin, u_end, seg, part); break;
-    default: group_impl<0, true>(a, kvh, u_begin, u_end, seg, part); break;
-  }
+  group_by_head_dim<true>(a, kvh, u_begin, u_end, seg, part);
 }
 
 void attn_fold_rows_avx512(float* st, const float* ps, int64_t n, float wa, float wb) {
